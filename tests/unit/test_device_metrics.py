@@ -1,0 +1,62 @@
+import re
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.device import lookup_peak_tflops
+
+
+def test_peak_flops_table():
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.5
+    assert lookup_peak_tflops("NVIDIA H100 PCIe", "bfloat16") == 756.0
+    assert lookup_peak_tflops("NVIDIA H200", "bfloat16") == 989.5
+    assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
+    assert lookup_peak_tflops("cpu", "bfloat16") is None
+    assert lookup_peak_tflops("Some Future GPU", "float32") is None
+
+
+def test_console_line_shape(caplog, tmp_path):
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.metrics.disable_color_printing = True
+    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    mp.num_flops_per_token = 1e6
+    mp.ntokens_since_last_log = 4096
+    mp.data_loading_times.append(0.001)
+    logger.propagate = True
+    try:
+        with caplog.at_level("INFO", logger="torchtitan"):
+            metrics = mp.log(12, 7.84123, 1.5, 1e-4)
+    finally:
+        logger.propagate = False
+    line = caplog.records[-1].getMessage()
+    assert re.search(
+        r"step: 12  loss:  7\.8412  grad_norm:  1\.5000  memory: +[\d.]+GiB\([\d.]+%\)  "
+        r"tps: [\d,]+  tflops: [\d.,]+  mfu: n/a \(unknown device\)",
+        line,
+    ), line
+    assert metrics["tps"] > 0 and "mfu" not in metrics
+
+
+def test_tensorboard_writes_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.metrics.enable_tensorboard = True
+    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    for step in (1, 2):
+        mp.ntokens_since_last_log = 100
+        mp.log(step, 5.0 - step, 1.0, 1e-3)
+    mp.close()
+    event_dirs = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    assert len(event_dirs) == 1
+    acc = EventAccumulator(str(event_dirs.pop()))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "tps"} <= tags
+    assert [e.value for e in acc.Scalars("loss")] == [4.0, 3.0]

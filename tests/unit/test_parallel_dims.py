@@ -1,0 +1,50 @@
+import pytest
+
+from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
+
+
+def _dims(world: int, **kw) -> ParallelDims:
+    return ParallelDims.from_config(Parallelism(**kw), world)
+
+
+def test_dp_shard_takes_remaining_ranks():
+    d = _dims(8, tensor_parallel_degree=2, data_parallel_replicate_degree=2)
+    assert d.dp_shard == 2
+    assert d.dp_degree == 4
+    assert d.fsdp_enabled and d.tp_enabled and not d.pp_enabled
+
+
+def test_single_device_has_no_parallelism():
+    d = _dims(1)
+    assert d.dp_shard == 1 and not d.dp_enabled and not d.fsdp_enabled
+    assert d.build_mesh("cpu") is None
+
+
+@pytest.mark.parametrize(
+    "world,kw,needle",
+    [
+        (4, dict(data_parallel_shard_degree=2, tensor_parallel_degree=4), "world size is 4"),
+        (6, dict(tensor_parallel_degree=4), "not divisible"),
+        (4, dict(tensor_parallel_degree=0), "tensor_parallel_degree=0 must be >= 1"),
+        (4, dict(data_parallel_shard_degree=-2), "must be -1"),
+        (4, dict(expert_parallel_degree=3), "expert_parallel_degree=3 must divide"),
+    ],
+)
+def test_invalid_layouts(world, kw, needle):
+    with pytest.raises(ParallelismError, match=needle):
+        _dims(world, **kw)
+
+
+def test_model_checks():
+    d = _dims(4, tensor_parallel_degree=4)
+    d.validate_for_model(n_heads=16, n_kv_heads=4, n_layers=8, seq_len=512)
+    with pytest.raises(ParallelismError, match="n_kv_heads=2"):
+        d.validate_for_model(n_heads=16, n_kv_heads=2, n_layers=8, seq_len=512)
+    with pytest.raises(ParallelismError, match="n_heads=6"):
+        d.validate_for_model(n_heads=6, n_kv_heads=6, n_layers=8, seq_len=512)
+    with pytest.raises(ParallelismError, match="seq_len=510"):
+        d.validate_for_model(n_heads=16, n_kv_heads=4, n_layers=8, seq_len=510)
+    pp = _dims(4, pipeline_parallel_degree=4)
+    with pytest.raises(ParallelismError, match="n_layers=2"):
+        pp.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=64)

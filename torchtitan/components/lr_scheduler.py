@@ -1,0 +1,99 @@
+"""Warmup-stable-decay learning-rate schedule, Stateful across optimizers."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LambdaLR
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
+
+
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    training_steps: int,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
+    """Multiplier of the peak LR after ``step`` completed optimizer steps.
+
+    Linear warm-up over ``warmup_steps`` (the first update uses 1/(warmup+1) of the peak), then
+    constant, then decay towards ``min_lr_factor`` over the last ``decay_steps`` steps.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    stable_end = training_steps - decay_steps
+    if step < stable_end or decay_steps == 0:
+        return 1.0
+    progress = min(1.0, (step - stable_end) / decay_steps)
+    if decay_type == "linear":
+        remaining = 1.0 - progress
+    elif decay_type == "sqrt":
+        remaining = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"lr_scheduler.decay_type={decay_type!r}: use linear, sqrt or cosine")
+    return min_lr_factor + (1.0 - min_lr_factor) * remaining
+
+
+class LRSchedulersContainer(Stateful):
+    """One ``LambdaLR`` per optimizer, all following the same schedule."""
+
+    def __init__(self, optimizers: OptimizersContainer, cfg: LRSchedulerConfig, training_steps: int):
+        warmup = cfg.warmup_steps
+        if warmup > training_steps:
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"lr_scheduler.warmup_steps={warmup} exceeds training.steps={training_steps}; "
+                f"warming up over all {training_steps} steps"
+            )
+            warmup = training_steps
+        if cfg.decay_ratio is None:
+            decay_steps = training_steps - warmup
+        else:
+            decay_steps = round(training_steps * cfg.decay_ratio)
+            if warmup + decay_steps > training_steps:
+                decay_steps = training_steps - warmup
+        self.fn = functools.partial(
+            lr_factor,
+            warmup_steps=warmup,
+            decay_steps=decay_steps,
+            training_steps=training_steps,
+            decay_type=cfg.decay_type,
+            min_lr_factor=cfg.min_lr_factor,
+        )
+        self.schedulers = [LambdaLR(opt, self.fn) for opt in optimizers.optimizers]
+
+    def step(self) -> None:
+        for sched in self.schedulers:
+            sched.step()
+
+    def get_last_lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        # All schedulers share one schedule; the step count is all that varies.
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for sched in self.schedulers:
+            sched.last_epoch = state_dict["last_epoch"]
+            sched._last_lr = [self.fn(sched.last_epoch) * g["initial_lr"] for g in sched.optimizer.param_groups]
+            for group, lr in zip(sched.optimizer.param_groups, sched._last_lr):
+                group["lr"] = lr
+
+
+def build_lr_schedulers(
+    optimizers: OptimizersContainer, cfg: LRSchedulerConfig, training_steps: int
+) -> LRSchedulersContainer:
+    """Build the LR schedulers from the ``[lr_scheduler]`` section."""
+    return LRSchedulersContainer(optimizers, cfg, training_steps)

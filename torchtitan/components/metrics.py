@@ -1,0 +1,161 @@
+"""Training metrics: the console line, TensorBoard and Weights & Biases."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.device import MemoryMonitor, get_peak_flops
+from torchtitan.tools.logging import logger
+
+
+class _Color:
+    def __init__(self, enabled: bool) -> None:
+        codes = {"red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "cyan": 36}
+        for name, code in codes.items():
+            setattr(self, name, f"\033[{code}m" if enabled else "")
+        self.reset = "\033[39m" if enabled else ""
+
+
+class BaseLogger:
+    """Sink for scalar metrics."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:  # pragma: no cover - interface
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger(BaseLogger):
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir, max_queue=1000)
+        logger.info(f"TensorBoard logs in {log_dir}")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandBLogger(BaseLogger):
+    def __init__(self, log_dir: str, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.wandb = wandb
+        os.makedirs(log_dir, exist_ok=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+            dir=log_dir,
+            config=config,
+        )
+        logger.info(f"W&B logging to {log_dir} (mode: {os.environ.get('WANDB_MODE', 'online')})")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsProcessor:
+    """Accumulates per-step counters and emits the metrics of each logged step."""
+
+    def __init__(self, job_config: JobConfig, *, rank: int, owns_loss: bool) -> None:
+        self.cfg = job_config.metrics
+        self.color = _Color(not self.cfg.disable_color_printing)
+        self.memory_monitor = MemoryMonitor()
+        dtype = (
+            job_config.training.mixed_precision_param
+            if _uses_fsdp_mixed_precision(job_config)
+            else job_config.training.dtype
+        )
+        self.peak_flops = get_peak_flops(dtype)
+        self.num_flops_per_token = 0.0
+        self.ntokens_since_last_log = 0
+        self.data_loading_times: list[float] = []
+        self.time_last_log = time.perf_counter()
+        self.sinks: list[BaseLogger] = []
+        write = owns_loss or self.cfg.save_for_all_ranks
+        base = os.path.join(job_config.job.dump_folder, self.cfg.save_tb_folder)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M")
+        suffix = f"rank_{rank}" if self.cfg.save_for_all_ranks else ""
+        if write and self.cfg.enable_tensorboard:
+            self.sinks.append(TensorBoardLogger(os.path.join(base, stamp, suffix)))
+        if write and self.cfg.enable_wandb:
+            self.sinks.append(
+                WandBLogger(os.path.join(job_config.job.dump_folder, "wandb", suffix), asdict(job_config))
+            )
+
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.log_freq == 0
+
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        extra: dict[str, float] | None = None,
+    ) -> dict[str, float]:
+        """Print the console line and write the sinks; returns the metrics dict."""
+        elapsed = time.perf_counter() - self.time_last_log
+        tps = self.ntokens_since_last_log / elapsed
+        tflops = self.num_flops_per_token * tps / 1e12
+        mfu = None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops
+        mem = self.memory_monitor.get_peak_stats()
+        data_time = sum(self.data_loading_times)
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": tps,
+            "tflops": tflops,
+            "memory/peak_gib": mem.peak_gib,
+            "memory/peak_pct": mem.peak_pct,
+            "time/step_s": elapsed / max(1, len(self.data_loading_times)),
+            "time/data_loading_pct": 100 * data_time / elapsed,
+        }
+        if mfu is not None:
+            metrics["mfu"] = mfu
+        if extra:
+            metrics.update(extra)
+        for sink in self.sinks:
+            sink.log(metrics, step)
+        c = self.color
+        mfu_text = "n/a (unknown device)" if mfu is None else f"{mfu:.2f}%"
+        logger.info(
+            f"{c.red}step: {step:2}  {c.green}loss: {loss:7.4f}  "
+            f"{c.cyan}grad_norm: {grad_norm:7.4f}  "
+            f"{c.yellow}memory: {mem.peak_gib:5.2f}GiB({mem.peak_pct:.2f}%)  "
+            f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {tflops:,.2f}  "
+            f"{c.magenta}mfu: {mfu_text}{c.reset}"
+        )
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.memory_monitor.reset_peak_stats()
+        return metrics
+
+    def log_validation(self, step: int, loss: float) -> None:
+        for sink in self.sinks:
+            sink.log({"validation/loss": loss}, step)
+        c = self.color
+        logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {loss:7.4f}{c.reset}")
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def _uses_fsdp_mixed_precision(job_config: JobConfig) -> bool:
+    p = job_config.parallelism
+    return p.data_parallel_shard_degree != 1 or p.data_parallel_replicate_degree > 1

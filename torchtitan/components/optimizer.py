@@ -1,0 +1,99 @@
+"""Optimizers for one or more model parts, as one Stateful object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """Constructor kwargs for ``cfg.name`` (lr, betas, eps, weight decay, kernel choice)."""
+    kwargs: dict[str, Any] = {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+    }
+    if cfg.implementation == "fused":
+        kwargs["fused"] = True
+    elif cfg.implementation == "foreach":
+        kwargs["foreach"] = True
+    else:
+        kwargs["foreach"] = False
+    return kwargs
+
+
+class OptimizersContainer(Stateful):
+    """One optimizer per model part; stepped, zeroed and checkpointed together.
+
+    The state dict is the flattened (FQN-keyed) optimizer state of all parts, so a
+    checkpoint does not depend on how the model was split into parts or sharded.
+    """
+
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig) -> None:
+        if cfg.name not in _OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.name={cfg.name!r} is not supported; choose one of {sorted(_OPTIMIZERS)}"
+            )
+        self.model_parts = model_parts
+        cls = _OPTIMIZERS[cfg.name]
+        kwargs = optimizer_kwargs(cfg)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for part in model_parts:
+            params = [p for p in part.parameters() if p.requires_grad]
+            self.optimizers.append(_construct(cls, params, kwargs))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        merged: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            merged.update(get_optimizer_state_dict(part, opt, options=opts))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=opts)
+
+
+def _construct(cls: type, params: list, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """Build the optimizer; a fused kernel the device lacks falls back to foreach."""
+    try:
+        return cls(params, **kwargs)
+    except RuntimeError as err:
+        if not kwargs.get("fused"):
+            raise
+        from torchtitan.tools.logging import warn_once
+
+        warn_once(f"fused optimizer unavailable here ({err}); using foreach")
+        fallback = {k: v for k, v in kwargs.items() if k != "fused"}
+        return cls(params, foreach=True, **fallback)
+
+
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
+    """Build the optimizers for ``model_parts`` from the ``[optimizer]`` section."""
+    return OptimizersContainer(model_parts, cfg)

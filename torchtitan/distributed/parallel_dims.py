@@ -1,0 +1,207 @@
+"""Parallel degrees, their validation, and the device mesh built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan.config.job_config import Parallelism
+
+# Mesh dimension order, outermost first: pp talks least often, tp most.
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class ParallelismError(ValueError):
+    """An impossible parallel layout; the message names the flag to change."""
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    world_size: int
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    world_mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_config(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
+        """Degrees from the ``[parallelism]`` section (dp_shard -1 takes the remaining ranks)."""
+        return cls(
+            dp_replicate=cfg.data_parallel_replicate_degree,
+            dp_shard=cfg.data_parallel_shard_degree,
+            cp=cfg.context_parallel_degree,
+            tp=cfg.tensor_parallel_degree,
+            pp=cfg.pipeline_parallel_degree,
+            ep=cfg.expert_parallel_degree,
+            etp=cfg.expert_tensor_parallel_degree,
+            world_size=world_size,
+        )
+
+    def _validate(self) -> None:
+        flags = {
+            "dp_replicate": "parallelism.data_parallel_replicate_degree",
+            "cp": "parallelism.context_parallel_degree",
+            "tp": "parallelism.tensor_parallel_degree",
+            "pp": "parallelism.pipeline_parallel_degree",
+            "ep": "parallelism.expert_parallel_degree",
+            "etp": "parallelism.expert_tensor_parallel_degree",
+        }
+        for name, flag in flags.items():
+            if getattr(self, name) < 1:
+                raise ParallelismError(f"{flag}={getattr(self, name)} must be >= 1")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ParallelismError(
+                f"parallelism.data_parallel_shard_degree={self.dp_shard} must be -1 (use the "
+                "remaining ranks) or >= 1"
+            )
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ParallelismError(
+                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp*pp = "
+                    f"{self.dp_replicate}*{self.cp}*{self.tp}*{self.pp} = {others}, so "
+                    "data_parallel_shard_degree=-1 cannot be resolved"
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ParallelismError(
+                f"dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*"
+                f"{self.tp}*{self.pp} = {product} but the world size is {self.world_size} "
+                "(NGPU / nproc_per_node x nodes); make the degrees multiply to the world size"
+            )
+        if self.ep > 1:
+            if (self.dp_shard * self.cp) % self.ep:
+                raise ParallelismError(
+                    f"parallelism.expert_parallel_degree={self.ep} must divide "
+                    f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard * self.cp}"
+                )
+            if self.etp not in (1, self.tp):
+                raise ParallelismError(
+                    f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 or equal "
+                    f"to tensor_parallel_degree={self.tp}"
+                )
+
+    def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
+        """Checks that need the model shape and sequence length."""
+        if self.tp > 1:
+            if n_heads % self.tp:
+                raise ParallelismError(
+                    f"parallelism.tensor_parallel_degree={self.tp} must divide the model's "
+                    f"n_heads={n_heads}"
+                )
+            if n_kv_heads % self.tp:
+                raise ParallelismError(
+                    f"parallelism.tensor_parallel_degree={self.tp} must divide the model's "
+                    f"n_kv_heads={n_kv_heads} (grouped-query attention shards kv heads across "
+                    "TP ranks); lower the TP degree"
+                )
+        if self.pp > n_layers:
+            raise ParallelismError(
+                f"parallelism.pipeline_parallel_degree={self.pp} exceeds the model's "
+                f"n_layers={n_layers}"
+            )
+        seq_div = self.tp * self.cp * (2 if self.cp > 1 else 1)
+        if seq_len % seq_div:
+            raise ParallelismError(
+                f"training.seq_len={seq_len} must be divisible by {seq_div} "
+                f"(tp={self.tp} for sequence parallel"
+                + (f", 2*cp={2 * self.cp} for context parallel load balancing)" if self.cp > 1 else ")")
+            )
+
+    # --- which parallelisms are on -------------------------------------------------------
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard_enabled or self.cp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp_enabled
+
+    @property
+    def dp_degree(self) -> int:
+        """Number of distinct data shards (the dataloader splits across this many)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.cp * self.tp * self.pp
+
+    # --- mesh ------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the world mesh of enabled dims plus flattened views dp, dp_shard_cp, dp_cp.
+
+        Dims of size 1 are left out so no process group is created for them. With one rank
+        there is no mesh at all (None).
+        """
+        if self.world_size == 1:
+            return None
+        degrees = {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
+        names = [n for n in MESH_DIM_ORDER if degrees[n] > 1]
+        shape = [degrees[n] for n in names]
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        self.world_mesh = mesh
+        self._meshes = {n: mesh[n] for n in names}
+        flat = {
+            "dp": ["dp_replicate", "dp_shard"],
+            "dp_shard_cp": ["dp_shard", "cp"],
+            "dp_cp": ["dp_replicate", "dp_shard", "cp"],
+        }
+        for flat_name, parts in flat.items():
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                self._meshes[flat_name] = mesh[present]._flatten(mesh_dim_name=flat_name)
+            elif len(present) == 1:
+                self._meshes[flat_name] = mesh[present[0]]
+        return mesh
+
+    def get_mesh(self, name: str) -> DeviceMesh | None:
+        """The (sub)mesh called ``name``, or None when that dimension is not in use."""
+        return self._meshes.get(name)
+
+    def mesh_local_rank(self, name: str) -> int:
+        mesh = self.get_mesh(name)
+        return 0 if mesh is None else mesh.get_local_rank()

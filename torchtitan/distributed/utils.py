@@ -1,0 +1,175 @@
+"""Process-group setup, seeding/determinism, cross-mesh reductions and grad-norm clipping."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import Comm, Debug
+from torchtitan.tools.logging import logger
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(comm: Comm, device_type: str) -> None:
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) with ``comm`` timeouts."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
+    backend = backend_for(device_type)
+    if device_type == "cuda":
+        backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side work such as async checkpoint staging
+    dist.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=comm.init_timeout_seconds)
+    )
+
+
+def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh | None) -> None:
+    """Shorten collective timeouts after the first step (first-step compiles can be slow)."""
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    # A barrier first so no rank changes its timeout while another is still in a collective.
+    dist.barrier()
+    groups = [dist.distributed_c10d._get_default_group()]
+    if world_mesh is not None:
+        groups += [world_mesh.get_group(i) for i in range(world_mesh.ndim)]
+    for group in groups:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except (RuntimeError, AttributeError, ValueError) as err:  # not every backend supports it
+            logger.debug(f"could not set timeout of a process group: {err}")
+            return
+
+
+def shutdown_distributed() -> None:
+    """Tear the process group down cleanly (avoids gloo's abort at interpreter exit)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def hard_exit(code: int = 0) -> None:
+    """Flush and leave without running interpreter finalizers (gloo threads can abort there)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def set_determinism(
+    world_mesh: DeviceMesh | None,
+    device: torch.device,
+    cfg: Debug,
+    distinct_seed_mesh_dims: Iterable[str] = ("pp",),
+) -> int:
+    """Seed every RNG and optionally force deterministic kernels; returns this rank's seed.
+
+    Ranks share one seed, except that each coordinate along ``distinct_seed_mesh_dims`` (the pp
+    stage by default) adds its index, so different pipeline stages initialise differently.
+    """
+    if cfg.deterministic:
+        logger.info("Deterministic algorithms are on (slower, bitwise reproducible)")
+        torch.use_deterministic_algorithms(True, warn_only=cfg.deterministic_warn_only)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    seed = cfg.seed
+    if seed is None:
+        # A fresh random seed, agreed by all ranks so replicated state stays identical.
+        seed_tensor = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        if dist.is_initialized():
+            dist.broadcast(seed_tensor, src=0)
+        seed = int(seed_tensor.item())
+    offset = 0
+    if world_mesh is not None and world_mesh.mesh_dim_names:
+        stride = 1
+        for name in reversed(world_mesh.mesh_dim_names):
+            if name in distinct_seed_mesh_dims:
+                offset += world_mesh.get_local_rank(name) * stride
+                stride *= world_mesh.size(world_mesh.mesh_dim_names.index(name))
+    rank_seed = (seed + offset) % 2**63
+    torch.manual_seed(rank_seed)
+    if world_mesh is not None:
+        from torch.distributed.tensor._random import manual_seed as dtensor_manual_seed
+
+        spmd_names = [n for n in world_mesh.mesh_dim_names if n not in distinct_seed_mesh_dims]
+        if spmd_names:
+            dtensor_manual_seed(rank_seed, world_mesh[tuple(spmd_names)])
+    return rank_seed
+
+
+def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
+    """Reduce a scalar across ``mesh`` (sum / mean / max); identity without a mesh."""
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    if mesh is None:
+        return float(t)
+    if isinstance(value, DTensor):
+        t = value.full_tensor().double()
+    device = "cuda" if mesh.device_type == "cuda" else "cpu"
+    t = t.to(device)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(t, op=reduce_op, group=mesh.get_group())
+    if op == "mean":
+        t /= mesh.size()
+    return float(t)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Total gradient norm across every mesh the gradients live on; clips when max_norm > 0.
+
+    Gradients may be DTensors on different meshes (FSDP, TP, FSDP x TP) or plain tensors; the
+    norm of each group is reduced over its mesh, and over ``pp_mesh`` when stages hold
+    different parameters. Returns the pre-clip norm (a plain tensor).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    norms = []
+    for grads_in_group in groups.values():
+        n = torch.nn.utils.get_total_norm(grads_in_group, norm_type, False, foreach)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        norms.append(n.float())
+    if not norms:
+        total = torch.tensor(0.0)
+    elif math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack(norms).pow(norm_type).sum()
+    if pp_mesh is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total

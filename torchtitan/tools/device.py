@@ -1,0 +1,97 @@
+"""Device selection, peak-FLOPs table and memory readings (CUDA when present, else CPU)."""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+device_type = "cuda" if torch.cuda.is_available() else "cpu"
+device_module = torch.cuda if device_type == "cuda" else None
+
+# Dense (no sparsity) peak TFLOP/s per device, by compute dtype. Sources: vendor datasheets.
+# A device not listed reports MFU as unavailable rather than guessing.
+_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"bfloat16": 989.5, "float32": 494.7},  # fp32 column: TF32 tensor cores
+    "H100 NVL": {"bfloat16": 835.0, "float32": 417.5},
+    "H100 PCIe": {"bfloat16": 756.0, "float32": 378.0},
+    "H200": {"bfloat16": 989.5, "float32": 494.7},
+    "H20": {"bfloat16": 148.0, "float32": 74.0},
+    "GH200": {"bfloat16": 989.5, "float32": 494.7},
+    "B200": {"bfloat16": 2250.0, "float32": 1125.0},
+    "A100": {"bfloat16": 312.0, "float32": 156.0},
+    "A10G": {"bfloat16": 70.0, "float32": 35.0},
+    "L40S": {"bfloat16": 362.0, "float32": 183.0},
+    "L4": {"bfloat16": 121.0, "float32": 60.0},
+    "MI300X": {"bfloat16": 1307.4, "float32": 653.7},
+    "MI325X": {"bfloat16": 1307.4, "float32": 653.7},
+    "MI250X": {"bfloat16": 383.0, "float32": 95.7},
+}
+
+
+def device_name() -> str:
+    """Human-readable name of the accelerator, or ``cpu``."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def lookup_peak_tflops(name: str, dtype: str) -> float | None:
+    """Peak dense TFLOP/s of device ``name`` for ``dtype``; None when unknown."""
+    if "H100" in name:
+        key = "H100 NVL" if "NVL" in name else "H100 PCIe" if "PCIe" in name else "H100 SXM"
+    else:
+        key = next((k for k in _PEAK_TFLOPS if k in name), None)
+    if key is None:
+        return None
+    return _PEAK_TFLOPS[key].get(dtype)
+
+
+def get_peak_flops(dtype: str) -> float | None:
+    """Peak FLOP/s of this process's device for ``dtype``, or None when not in the table."""
+    tflops = lookup_peak_tflops(device_name(), dtype)
+    return None if tflops is None else tflops * 1e12
+
+
+def get_device(local_rank: int | None = None) -> torch.device:
+    """The device this rank computes on (sets the current CUDA device)."""
+    if device_type == "cuda":
+        idx = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        torch.cuda.set_device(idx)
+        return torch.device("cuda", idx)
+    return torch.device("cpu")
+
+
+@dataclass
+class MemoryReading:
+    peak_gib: float
+    peak_pct: float
+    kind: str  # "device" (accelerator allocator) or "host" (process peak RSS)
+
+
+class MemoryMonitor:
+    """Peak memory since the last reset: the CUDA allocator's, or the process RSS on CPU."""
+
+    def __init__(self) -> None:
+        if device_type == "cuda":
+            self.capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        else:
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.reset_peak_stats()
+
+    def reset_peak_stats(self) -> None:
+        if device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def get_peak_stats(self) -> MemoryReading:
+        if device_type == "cuda":
+            peak = torch.cuda.max_memory_reserved()
+            kind = "device"
+        else:
+            # ru_maxrss is in KiB on Linux.
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            kind = "host"
+        gib = peak / 2**30
+        return MemoryReading(gib, 100.0 * peak / self.capacity, kind)

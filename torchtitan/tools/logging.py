@@ -1,0 +1,30 @@
+"""Project-wide logger: one format, rank-aware, configured once."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("torchtitan")
+
+
+def init_logger(level: int = logging.INFO) -> None:
+    """Configure the ``torchtitan`` logger (idempotent)."""
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        rank = os.environ.get("RANK")
+        prefix = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        handler.setFormatter(
+            logging.Formatter(f"{prefix}[titan] %(asctime)s - %(levelname)s - %(message)s")
+        )
+        logger.addHandler(handler)
+    logger.propagate = False
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - deliberate cache
+    """Log a warning only the first time this exact message is seen."""
+    if message not in _seen:
+        _seen.add(message)
+        logger.warning(message)
