@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Time the trainer's steady-state step on a config and print one JSON line.
+
+  python scripts/benchmark.py --steps 12 --warmup 3 [--baseline] [trainer flags ...]
+
+Reports tokens/s (per device), TFLOP/s, MFU (null on devices missing from the peak table) and
+peak memory. ``--baseline`` also times a bare PyTorch loop on the same model, batch and
+optimizer (no framework: no dataloader, no metrics, no parallelism wrappers) and reports
+framework_step_s / baseline_step_s. Compare like with like: the bare loop has no activation
+checkpointing or compile, so benchmark with ``--activation_checkpoint.mode none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _time_steps(step_fn, steps: int, warmup: int, sync) -> list[float]:
+    times = []
+    for i in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        step_fn()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def bare_loop_step_time(trainer, batches, steps: int, warmup: int, sync) -> float:
+    """Median step time of a plain PyTorch loop on a fresh copy of the trainer's model."""
+    cfg = trainer.job_config
+    model = trainer.model_spec.model_cls(trainer.model_args).to(trainer.device)
+    with torch.no_grad():
+        model.init_weights()
+    if cfg.training.dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    from torchtitan.components.optimizer import optimizer_kwargs
+
+    opt_cls = torch.optim.AdamW if cfg.optimizer.name == "AdamW" else torch.optim.Adam
+    opt = opt_cls(model.parameters(), **optimizer_kwargs(cfg.optimizer))
+    it = iter(range(10**9))
+
+    def step():
+        inputs, labels = batches[next(it) % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+        opt.step()
+        loss.item()
+
+    return statistics.median(_time_steps(step, steps, warmup, sync))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12, help="timed steps including warm-up")
+    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing")
+    p.add_argument("--baseline", action="store_true", help="also time a bare PyTorch loop")
+    args, trainer_flags = p.parse_known_args(argv)
+    if not any(f.startswith("--job.config_file") or f == "--module" for f in trainer_flags):
+        trainer_flags = ["--job.config_file", "./train_configs/debug_model.toml", *trainer_flags]
+    trainer_flags += ["--training.steps", str(args.steps + 1)]
+
+    from torchtitan.config.manager import parse_args_or_exit
+    from torchtitan.tools.device import device_type
+    from torchtitan.tools.logging import init_logger
+    from torchtitan.train import Trainer
+
+    init_logger()
+    cfg = parse_args_or_exit(trainer_flags)
+    trainer = Trainer(cfg)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    data_iterator = iter(trainer.dataloader)
+    trainer.metrics.memory_monitor.reset_peak_stats()
+
+    def framework_step():
+        trainer.step += 1
+        trainer.train_step(data_iterator)
+
+    times = _time_steps(framework_step, args.steps, args.warmup, sync)
+    step_s = statistics.median(times)
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.gradient_accumulation_steps
+    tps = tokens / step_s
+    tflops = trainer.flops_per_token * tps / 1e12
+    peak = trainer.metrics.peak_flops
+    mem = trainer.metrics.memory_monitor.get_peak_stats()
+    result = {
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "device": device_type,
+        "world_size": trainer.parallel_dims.world_size,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(tps, 1),
+        "tflops": round(tflops, 4),
+        "mfu_pct": None if peak is None else round(100 * tflops * 1e12 / peak, 2),
+        "peak_memory_gib": round(mem.peak_gib, 3),
+        "memory_kind": mem.kind,
+        "timed_steps": len(times),
+    }
+    if args.baseline:
+        batches = [tuple(t.to(trainer.device) for t in next(data_iterator)) for _ in range(4)]
+        base = bare_loop_step_time(trainer, batches, args.steps, args.warmup, sync)
+        result["baseline_step_s"] = round(base, 4)
+        result["framework_over_baseline"] = round(step_s / base, 4)
+    trainer.close()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
