@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import importlib
 import os
@@ -87,12 +86,7 @@ class Trainer(Stateful):
             dataloader_config=cfg.training.dataloader,
         )
 
-        if cfg.model.flavor not in spec.model_args:
-            raise ValueError(
-                f"model.flavor={cfg.model.flavor!r} is not a flavor of {cfg.model.name}; "
-                f"choose one of {sorted(spec.model_args)}"
-            )
-        self.model_args = model_args = copy.deepcopy(spec.model_args[cfg.model.flavor])
+        self.model_args = model_args = spec.get_model_args(cfg.model.flavor)
         model_args.update_from_config(cfg, tokenizer=self.tokenizer)
         parallel_dims.validate_for_model(
             n_heads=model_args.n_heads,

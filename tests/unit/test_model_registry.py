@@ -1,0 +1,99 @@
+"""Model registry: lookups, errors, lazy builders, flavor copies."""
+
+from __future__ import annotations
+
+import pytest
+
+import torchtitan.models as models
+from torchtitan.models import (
+    LazyCallable,
+    ModelSpec,
+    get_model_spec,
+    lazy,
+    list_model_specs,
+    register_model_spec,
+)
+from torchtitan.models.common.rope import precompute_freqs_cis
+from torchtitan.models.llama3.args import TransformerModelArgs
+from torchtitan.models.llama3.model import Transformer
+
+
+def test_builtin_families_registered():
+    assert {"llama3", "llama2"} <= set(list_model_specs())
+    spec = get_model_spec("llama3")
+    assert spec.name == "llama3" and spec.model_cls is Transformer
+    assert {"debugmodel", "debugmodel_tiny", "1B", "8B", "70B", "405B"} <= set(spec.flavors)
+    assert set(get_model_spec("llama2").flavors) == {"debugmodel", "7B", "13B", "70B"}
+    assert get_model_spec("llama2").model_cls is Transformer
+    assert spec.state_dict_adapter is None and spec.build_optimizers_fn is None
+
+
+def test_spec_hooks_reference_the_agreed_builders():
+    spec = get_model_spec("llama3")
+    targets = {
+        "parallelize_fn": "torchtitan.models.llama3.parallelize:parallelize_llama",
+        "pipelining_fn": "torchtitan.models.llama3.pipeline:pipeline_llama",
+        "build_tokenizer_fn": "torchtitan.components.tokenizer:build_tokenizer",
+        "build_dataloader_fn": "torchtitan.datasets.hf_datasets:build_text_dataloader",
+        "build_loss_fn": "torchtitan.components.loss:build_cross_entropy_loss",
+    }
+    for attr, target in targets.items():
+        fn = getattr(spec, attr)
+        assert isinstance(fn, LazyCallable) and fn.target == target, attr
+
+
+def test_unknown_model_lists_known_names_and_suggests():
+    with pytest.raises(ValueError) as err:
+        get_model_spec("llama4")
+    msg = str(err.value)
+    assert "model.name 'llama4' is not a registered model" in msg
+    assert "llama2" in msg and "llama3" in msg and "Did you mean" in msg
+    with pytest.raises(ValueError, match="known models: .*llama3"):
+        get_model_spec("not a model")
+
+
+def test_unknown_flavor_and_flavor_copies():
+    spec = get_model_spec("llama3")
+    with pytest.raises(
+        ValueError, match=r"model.flavor '8b' is not a flavor of model 'llama3'.*Did you mean '8B'"
+    ):
+        spec.get_model_args("8b")
+    args = spec.get_model_args("debugmodel")
+    assert isinstance(args, TransformerModelArgs)
+    args.vocab_size = 5
+    assert spec.model_args["debugmodel"].vocab_size == 2256
+
+
+def test_register_custom_spec_and_duplicate_error():
+    spec = ModelSpec(
+        name="unit_test_family",
+        model_cls=Transformer,
+        model_args={"tiny": TransformerModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=11)},
+        parallelize_fn=None,
+        pipelining_fn=None,
+        build_tokenizer_fn=None,
+        build_dataloader_fn=None,
+        build_loss_fn=None,
+    )
+    try:
+        register_model_spec(spec)
+        register_model_spec(spec)  # re-registering the same object is harmless
+        assert get_model_spec("unit_test_family") is spec
+        clash = ModelSpec(**{**spec.__dict__, "model_args": {}})
+        with pytest.raises(ValueError, match="'unit_test_family' is already registered"):
+            register_model_spec(clash)
+    finally:
+        models._REGISTRY.pop("unit_test_family", None)
+
+
+def test_lazy_callable_resolves_on_first_call_only():
+    fn = lazy("torchtitan.models.common.rope:precompute_freqs_cis")
+    assert fn.resolve() is precompute_freqs_cis
+    assert fn(4, 3).shape == (3, 2)
+    missing = lazy("torchtitan.no_such_module:build")  # creating it does not import
+    with pytest.raises(ImportError, match="torchtitan.no_such_module:build is not available"):
+        missing()
+    with pytest.raises(ImportError, match="has no attribute 'nope'"):
+        lazy("torchtitan.models.spec:nope").resolve()
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        lazy("torchtitan.models.spec.nope")

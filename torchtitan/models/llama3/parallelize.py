@@ -1,0 +1,82 @@
+"""Apply TP -> AC -> compile -> FSDP/HSDP (or DDP) to a Llama model.
+
+Everything here works on a ``meta``-device model; the trainer then calls
+``model.to_empty(device=...)`` and ``model.init_weights(buffer_device=...)``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile, model_compile_enabled
+from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp, check_tp_heads, maybe_enable_async_tp
+from torchtitan.tools import device as device_tools
+from torchtitan.tools.logging import logger
+
+
+def _head_counts(model: nn.Module) -> tuple[int, int] | None:
+    args = getattr(model, "model_args", None)
+    if args is None:
+        return None
+    n_kv = getattr(args, "effective_n_kv_heads", None) or args.n_kv_heads or args.n_heads
+    return args.n_heads, n_kv
+
+
+def parallelize_llama(
+    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+) -> nn.Module:
+    """Parallelize ``model`` in place per ``parallel_dims`` and ``job_config``; returns it.
+
+    Order: tensor parallel (+ async TP), activation checkpointing, per-block compile, then
+    FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1.
+    """
+    par = job_config.parallelism
+    compile_model = model_compile_enabled(job_config.compile)
+    mesh = parallel_dims.world_mesh
+    device_type = mesh.device_type if mesh is not None else device_tools.device_type
+
+    if parallel_dims.tp_enabled:
+        heads = _head_counts(model)
+        if heads is not None:
+            check_tp_heads(parallel_dims.tp, *heads)
+        if job_config.training.seq_len % parallel_dims.tp:
+            raise ValueError(
+                f"training.seq_len={job_config.training.seq_len} must be divisible by "
+                f"parallelism.tensor_parallel_degree={parallel_dims.tp} (sequence parallel)"
+            )
+    tp_mesh = parallel_dims.get_mesh("tp")
+    # validate async TP before any model surgery, so a bad config fails fast
+    if par.enable_async_tensor_parallel:
+        maybe_enable_async_tp(False, compile_model, tp_mesh, device_type)  # no-op: checks below
+    if parallel_dims.tp_enabled:
+        apply_tp(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
+    maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
+
+    apply_ac(model, job_config.activation_checkpoint)
+
+    if compile_model:
+        apply_compile(model, job_config.compile)
+
+    training = job_config.training
+    if training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
+        logger.warning(
+            "training.enable_cpu_offload only works with FSDP (parallelism.data_parallel_shard_degree "
+            "> 1); ignoring it"
+        )
+    apply_data_parallel(
+        model,
+        parallel_dims,
+        param_dtype=to_torch_dtype(training.mixed_precision_param, "training.mixed_precision_param"),
+        reduce_dtype=to_torch_dtype(
+            training.mixed_precision_reduce, "training.mixed_precision_reduce"
+        ),
+        cpu_offload=training.enable_cpu_offload and parallel_dims.fsdp_enabled,
+        reshard_after_forward_policy=par.fsdp_reshard_after_forward,
+        enable_compile=compile_model,
+        enable_compiled_autograd=par.enable_compiled_autograd,
+    )
+    return model
