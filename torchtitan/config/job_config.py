@@ -438,9 +438,6 @@ class Experimental:
     custom_import: str = ""
     """Module imported at start, e.g. to register a custom model."""
 
-    custom_args_module: str = ""
-    """Deprecated name of job.custom_config_module."""
-
 
 @dataclass
 class Validation:
