@@ -60,3 +60,23 @@ def test_tensorboard_writes_events(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"loss", "lr", "grad_norm", "tps"} <= tags
     assert [e.value for e in acc.Scalars("loss")] == [4.0, 3.0]
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    import pytest
+
+    pytest.importorskip("wandb")
+    from torchtitan.components.metrics import MetricsProcessor
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.metrics.enable_wandb = True
+    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    mp.ntokens_since_last_log = 10
+    mp.log(1, 3.0, 1.0, 1e-3)
+    mp.close()
+    runs = list((tmp_path / "wandb").rglob("offline-run-*"))
+    assert runs, "W&B offline run folder was not written"
+    assert list(runs[0].glob("*.wandb")), "no W&B event log in the offline run"
