@@ -49,12 +49,10 @@ def parallelize_llama(
                 f"parallelism.tensor_parallel_degree={parallel_dims.tp} (sequence parallel)"
             )
     tp_mesh = parallel_dims.get_mesh("tp")
-    # validate async TP before any model surgery, so a bad config fails fast
-    if par.enable_async_tensor_parallel:
-        maybe_enable_async_tp(False, compile_model, tp_mesh, device_type)  # no-op: checks below
+    # before any model surgery, so a bad async-TP config fails fast
+    maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
     if parallel_dims.tp_enabled:
         apply_tp(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
-    maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
 
     apply_ac(model, job_config.activation_checkpoint)
 
@@ -70,7 +68,9 @@ def parallelize_llama(
     apply_data_parallel(
         model,
         parallel_dims,
-        param_dtype=to_torch_dtype(training.mixed_precision_param, "training.mixed_precision_param"),
+        param_dtype=to_torch_dtype(
+            training.mixed_precision_param, "training.mixed_precision_param"
+        ),
         reduce_dtype=to_torch_dtype(
             training.mixed_precision_reduce, "training.mixed_precision_reduce"
         ),

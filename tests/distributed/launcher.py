@@ -1,0 +1,175 @@
+"""Run a function in N real processes joined by a gloo process group (CPU).
+
+``launch(fn, world_size, *args)`` starts ``world_size`` fresh Python processes (``python -m
+tests.distributed.launcher``) with torchrun-style env vars, runs ``fn(*args)`` in each after
+``init_process_group("gloo", timeout=60 s)``, and returns the per-rank results (pickled back
+through files). If any rank fails, the others are killed and ``LaunchError`` carries every
+failing rank's traceback (or its output tail when it died without one). A hard wall-clock
+timeout kills everything. Each worker ends with barrier, destroy_process_group, flush,
+``os._exit`` (gloo can abort in interpreter finalisation otherwise).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PG_TIMEOUT_S = 60
+
+
+class LaunchError(AssertionError):
+    """One or more ranks failed or the launch timed out; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _target_name(fn: Callable[..., Any]) -> str:
+    module = fn.__module__
+    if module == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError(
+            f"launch target {fn.__qualname__} must be a module-level function of an importable "
+            "module (not __main__ or a closure)"
+        )
+    return f"{module}:{fn.__qualname__}"
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:  # each worker leads its own process group (start_new_session), so this
+            os.killpg(proc.pid, signal.SIGKILL)  # reaches its helpers too (compile workers)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _tail(path: Path, n_chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n_chars:]
+    except OSError:
+        return "<no output>"
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns ``[result of rank 0, ...]``."""
+    target = _target_name(fn)
+    with tempfile.TemporaryDirectory(prefix="tt_launch_") as tmp:
+        work = Path(tmp)
+        (work / "args.pkl").write_bytes(pickle.dumps(args))
+        port = free_port()
+        base_env = dict(os.environ)
+        base_env.setdefault("OMP_NUM_THREADS", "1")
+        base_env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
+        base_env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            TT_LAUNCH_TARGET=target,
+            TT_LAUNCH_DIR=str(work),
+        )
+        base_env.update(env or {})
+        procs: list[subprocess.Popen] = []
+        logs = [work / f"log_{rank}.txt" for rank in range(world_size)]
+        try:
+            for rank in range(world_size):
+                rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                with open(logs[rank], "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "tests.distributed.launcher"],
+                            cwd=REPO_ROOT,
+                            env=rank_env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            deadline = time.monotonic() + timeout_s
+            timed_out = False
+            while True:
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                _kill(p)
+        codes = [p.returncode for p in procs]
+        failures = []
+        for rank, code in enumerate(codes):
+            err = work / f"error_{rank}.txt"
+            if err.exists():
+                failures.append(f"--- rank {rank} (exit {code}) ---\n{err.read_text()}")
+        if timed_out or failures or any(c != 0 for c in codes):
+            if not failures:  # killed or crashed without a Python traceback: show output
+                failures = [
+                    f"--- rank {r} (exit {c}) output tail ---\n{_tail(logs[r])}"
+                    for r, c in enumerate(codes)
+                    if c != 0
+                ]
+            head = (
+                f"launch of {target} on {world_size} ranks timed out after {timeout_s:.0f} s"
+                if timed_out
+                else f"launch of {target} on {world_size} ranks failed (exit codes {codes})"
+            )
+            raise LaunchError(head + "\n" + "\n".join(failures))
+        return [pickle.loads((work / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _worker() -> None:
+    """Entry point of one rank (``python -m tests.distributed.launcher``)."""
+    rank = int(os.environ["RANK"])
+    work = Path(os.environ["TT_LAUNCH_DIR"])
+    code = 0
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        module_name, qualname = os.environ["TT_LAUNCH_TARGET"].split(":", 1)
+        fn: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        args = pickle.loads((work / "args.pkl").read_bytes())
+        result = fn(*args)
+        (work / f"result_{rank}.pkl").write_bytes(pickle.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # report everything, including SystemExit/KeyboardInterrupt
+        (work / f"error_{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _worker()

@@ -1,0 +1,42 @@
+"""The multi-process test launcher: results, failure propagation, wall-clock timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.launcher import LaunchError, launch
+
+
+def _rank_sum(scale: int) -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), scale * t.item()
+
+
+def _fail_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 0 would wait here until the 60 s PG timeout if not killed
+
+
+@pytest.mark.slow
+def test_failure_propagation():
+    # (the success path, results per rank, is exercised by every numerics test)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="(?s)failed.*rank 1.*ValueError: boom on rank 1"):
+        launch(_fail_on_rank_1, 2)
+    assert time.monotonic() - start < 30  # the blocked rank is killed, not waited for
+
+
+def test_wall_timeout_kills_ranks():
+    with pytest.raises(LaunchError, match="timed out after 0 s"):
+        launch(_rank_sum, 2, 1, timeout_s=0.3)
+
+
+def test_target_must_be_importable():
+    with pytest.raises(ValueError, match="module-level function"):
+        launch(lambda: None, 2)

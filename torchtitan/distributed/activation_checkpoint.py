@@ -1,0 +1,170 @@
+"""Activation checkpointing of transformer blocks: full, every-Nth-block, or op-level (SAC).
+
+Wrapped blocks are ``CheckpointWrapper`` modules. Their ``state_dict`` keys, and the FQNs that
+``torch.distributed.checkpoint.state_dict`` reports, have no ``_checkpoint_wrapped_module.``
+prefix, so checkpoints are interchangeable with and without AC. (Plain ``named_parameters()``
+from an ancestor module does show the prefix.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan.config.job_config import ActivationCheckpoint
+from torchtitan.tools.logging import logger
+
+aten = torch.ops.aten
+
+
+def default_op_sac_save_list() -> set:
+    """Ops whose outputs op-level SAC keeps (every other ``mm``, attention, reductions)."""
+    ops = {
+        aten.mm.default,
+        # attention: CPU flash, CUDA flash / memory-efficient / cuDNN
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        # the absolute max feeds float8 scales: cheap to keep, costly to recompute
+        aten.max.default,
+    }
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        ops.add(c10d.reduce_scatter_tensor.default)
+    return ops
+
+
+def _validate(cfg: ActivationCheckpoint) -> None:
+    if cfg.mode not in ("none", "full", "selective"):
+        raise ValueError(
+            f"activation_checkpoint.mode={cfg.mode!r} is invalid; use 'none', 'full' or 'selective'"
+        )
+    if cfg.determinism_check not in ("default", "none"):
+        raise ValueError(
+            f"activation_checkpoint.determinism_check={cfg.determinism_check!r} is invalid; "
+            "use 'default' or 'none'"
+        )
+    if cfg.mode == "selective":
+        selective_every_n(cfg.selective_ac_option)
+
+
+def selective_every_n(option: str) -> int | None:
+    """``"op"`` -> None; ``"N"`` -> N (a positive int); anything else raises ValueError."""
+    option = str(option).strip()
+    if option == "op":
+        return None
+    if option.isdigit() and int(option) > 0:
+        return int(option)
+    raise ValueError(
+        f"activation_checkpoint.selective_ac_option={option!r} is invalid; use a positive "
+        "integer N (checkpoint every Nth block) or 'op' (op-level selective checkpointing)"
+    )
+
+
+def _op_sac_policy(
+    save_list: set,
+    recompute_mm_shapes: set[tuple[int, int]],
+    counts: defaultdict,
+    ctx,
+    func,
+    *args,
+    **kwargs,
+) -> CheckpointPolicy:
+    # torch >= 2.13 calls the policy only in forward (recompute replays the decisions), so one
+    # counter per block forward suffices; `counts` is fresh for every forward (context_fn).
+    if func == aten.mm.default:
+        if len(args) > 1 and tuple(args[1].shape) in recompute_mm_shapes:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        counts["mm"] += 1
+        # keep the 1st, 3rd, ... matmul of the block, recompute the others
+        save = counts["mm"] % 2 == 1
+    else:
+        save = func in save_list
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _force_recompute_mm_shapes(
+    block: nn.Module, base_fqn: str, fqn_filters: list[str]
+) -> set[tuple[int, int]]:
+    """``(in, out)`` shapes of the ``mm`` weight operands of Linears matching ``fqn_filters``."""
+    shapes: set[tuple[int, int]] = set()
+    if not fqn_filters:
+        return shapes
+    for name, sub in block.named_modules():
+        fqn = f"{base_fqn}.{name}" if name else base_fqn
+        if not any(f in fqn for f in fqn_filters):
+            continue
+        if not isinstance(sub, nn.Linear):
+            raise ValueError(
+                "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns must name "
+                f"nn.Linear modules, but {fqn} is a {type(sub).__name__}"
+            )
+        out_f, in_f = sub.weight.shape
+        shapes.add((in_f, out_f))
+    return shapes
+
+
+def _wrap(block: nn.Module, cfg: ActivationCheckpoint, context_fn: Callable | None = None):
+    kwargs = dict(
+        preserve_rng_state=cfg.preserve_rng_state,
+        determinism_check=cfg.determinism_check,
+        early_stop=cfg.early_stop,
+        debug=cfg.debug,
+    )
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    return checkpoint_wrapper(block, **kwargs)
+
+
+def apply_ac(
+    model: nn.Module,
+    ac_cfg: ActivationCheckpoint,
+    op_sac_save_list: set | None = None,
+) -> nn.Module:
+    """Wrap the blocks of ``model.layers`` for activation checkpointing per ``ac_cfg``.
+
+    ``full``: every block; ``selective`` ``"N"``: the blocks whose layer id + 1 is a multiple of
+    N; ``selective`` ``"op"``: every block, saving the outputs of ``op_sac_save_list`` ops (default
+    :func:`default_op_sac_save_list`) and recomputing the rest. Entries of ``model.layers``
+    are replaced in place (keys unchanged). Apply after TP and before compile / FSDP.
+    """
+    _validate(ac_cfg)
+    if ac_cfg.mode == "none":
+        return model
+    layers: nn.ModuleDict = model.layers
+    every_n = selective_every_n(ac_cfg.selective_ac_option) if ac_cfg.mode == "selective" else 1
+    save_list = default_op_sac_save_list() if op_sac_save_list is None else op_sac_save_list
+    wrapped = 0
+    for index, (layer_id, block) in enumerate(list(layers.items())):
+        if block is None:
+            continue
+        if every_n is None:  # op-level SAC
+            shapes = _force_recompute_mm_shapes(
+                block,
+                f"layers.{layer_id}",
+                ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns,
+            )
+
+            def context_fn(shapes=shapes):
+                policy = partial(_op_sac_policy, save_list, shapes, defaultdict(int))
+                return create_selective_checkpoint_contexts(policy)
+
+            new_block = _wrap(block, ac_cfg, context_fn)
+        else:
+            # global layer ids keep the choice the same when pipeline stages hold a subset
+            position = int(layer_id) if str(layer_id).isdigit() else index
+            if (position + 1) % every_n:
+                continue
+            new_block = _wrap(block, ac_cfg)
+        layers[layer_id] = new_block
+        wrapped += 1
+    detail = ac_cfg.mode if ac_cfg.mode == "full" else f"selective {ac_cfg.selective_ac_option}"
+    logger.info(f"Applied {detail} activation checkpointing to {wrapped} of {len(layers)} blocks")
+    return model

@@ -1,0 +1,229 @@
+"""Data parallelism: FSDP2 / HSDP via ``fully_shard`` and DDP via ``replicate``.
+
+Gradients are *averaged* over the data-parallel ranks by both FSDP2 and DDP (the usual
+semantics): a loss that is a per-rank mean over equally many tokens gives the gradient of the
+global-batch mean. ``apply_fsdp(..., gradient_divide_factor=1.0)`` turns the division off for a
+training loop that normalises by the global token count itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools.logging import logger
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def to_torch_dtype(name: str, key: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; ``key`` names the config field in the error."""
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"{key}={name!r} is not a known dtype; use one of {sorted(TORCH_DTYPES)}"
+        ) from None
+
+
+def resolve_reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """Map ``parallelism.fsdp_reshard_after_forward`` to a bool (default: not under PP)."""
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    if policy == "default":
+        # Under PP each microbatch runs forward then backward on the stage; keeping the
+        # gathered parameters avoids an all-gather per microbatch.
+        return not pp_enabled
+    raise ValueError(
+        f"parallelism.fsdp_reshard_after_forward={policy!r} is invalid; "
+        "use 'default', 'always' or 'never'"
+    )
+
+
+def get_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
+    """The mesh FSDP shards over: 1-D ``dp_shard_cp`` or, for HSDP, 2-D
+    ``(dp_replicate, dp_shard_cp)``; None when FSDP is off (or there is no mesh)."""
+    if not parallel_dims.fsdp_enabled:
+        return None
+    shard_mesh = parallel_dims.get_mesh("dp_shard_cp")
+    if not parallel_dims.dp_replicate_enabled:
+        return shard_mesh
+    world_mesh = parallel_dims.world_mesh
+    assert world_mesh is not None
+    if parallel_dims.dp_shard_enabled and parallel_dims.cp_enabled:
+        # "dp_shard_cp" is a flattened dim; slicing it from the root warns in torch >= 2.11
+        # but is the only way to get the 2-D HSDP mesh that shares its process groups.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flattened dim.*")
+            return world_mesh["dp_replicate", "dp_shard_cp"]
+    inner = "dp_shard" if parallel_dims.dp_shard_enabled else "cp"
+    return world_mesh["dp_replicate", inner]
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    return getattr(model, name, None)
+
+
+def _is_tied(model: nn.Module) -> bool:
+    emb, out = _submodule(model, "tok_embeddings"), _submodule(model, "output")
+    return (
+        emb is not None
+        and out is not None
+        and getattr(emb, "weight", None) is not None
+        and emb.weight is getattr(out, "weight", None)
+    )
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    pp_enabled: bool = False,
+    cpu_offload: bool = False,
+    reshard_after_forward_policy: ReshardPolicy = "default",
+    gradient_divide_factor: float | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (HSDP when ``dp_mesh`` is 2-D ``(replicate, shard)``).
+
+    Units: each block of ``model.layers``, ``tok_embeddings``, ``[norm, output]`` together, then
+    the root (which picks up anything left, e.g. tied embeddings). Any of the named parts may be
+    missing or None (pipeline stages). Under the ``default`` policy the last block and
+    ``norm``+``output`` keep their parameters after forward: backward needs them first.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    config = {"mesh": dp_mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    reshard = resolve_reshard_after_forward(reshard_after_forward_policy, pp_enabled)
+    # Only "default" applies the keep-the-last-units optimisation; "always" means always.
+    keep_last = reshard_after_forward_policy == "default"
+
+    tied = _is_tied(model)
+    emb = _submodule(model, "tok_embeddings")
+    if emb is not None and not tied:
+        fully_shard(emb, reshard_after_forward=reshard, **config)
+
+    layers = _submodule(model, "layers")
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard and not (keep_last and last), **config)
+
+    norm, output = _submodule(model, "norm"), _submodule(model, "output")
+    tail = [m for m in (norm, output) if m is not None]
+    if tail and not tied:
+        tail_reshard = reshard and not keep_last
+        fully_shard(
+            tail if len(tail) > 1 else tail[0], reshard_after_forward=tail_reshard, **config
+        )
+
+    fully_shard(model, reshard_after_forward=reshard, **config)
+
+    if gradient_divide_factor is not None:
+        set_gradient_divide_factor(model, gradient_divide_factor)
+    kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
+    logger.info(
+        f"Applied {kind} to the model (mesh {dict(zip(dp_mesh.mesh_dim_names or (), dp_mesh.shape))}, "
+        f"param {param_dtype}, reduce {reduce_dtype}, reshard_after_forward={reshard}"
+        f"{', CPU offload' if cpu_offload else ''})"
+    )
+    return model
+
+
+def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:
+    """Make every FSDP unit of ``model`` divide reduced gradients by ``factor`` (1.0: sum).
+
+    Uses sum-only collectives plus a post-scale (gloo has no ``PREMUL_SUM``; NCCL's zero-copy
+    path wants sums too).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(factor)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_ddp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    enable_compile: bool = False,
+    enable_compiled_autograd: bool = False,
+    bucket_cap_mb: int = 100,
+) -> nn.Module:
+    """Replicate ``model`` over ``dp_mesh`` with DDP (``replicate``); gradients are averaged.
+
+    Works on a meta-device model: DDP initialises lazily at the first forward, broadcasting
+    rank 0's (materialised) parameters and buffers.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    if enable_compile:
+        torch._dynamo.config.optimize_ddp = (
+            "python_reducer_without_compiled_forward"
+            if enable_compiled_autograd
+            else "ddp_optimizer"
+        )
+    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb)
+    logger.info(f"Applied DDP to the model (dp_replicate={dp_mesh.size()})")
+    return model
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    reshard_after_forward_policy: ReshardPolicy = "default",
+    enable_compile: bool = False,
+    enable_compiled_autograd: bool = False,
+) -> nn.Module:
+    """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1, else nothing."""
+    fsdp_mesh = get_fsdp_mesh(parallel_dims)
+    if fsdp_mesh is not None:
+        return apply_fsdp(
+            model,
+            fsdp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=cpu_offload,
+            reshard_after_forward_policy=reshard_after_forward_policy,
+        )
+    if parallel_dims.dp_replicate_enabled:
+        if parallel_dims.tp_enabled:
+            raise ValueError(
+                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
+                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
+                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
+            )
+        if cpu_offload:
+            raise ValueError(
+                "training.enable_cpu_offload needs FSDP (parallelism.data_parallel_shard_degree "
+                "> 1); DDP cannot offload"
+            )
+        mesh = parallel_dims.get_mesh("dp_replicate")
+        assert mesh is not None
+        return apply_ddp(model, mesh, enable_compile, enable_compiled_autograd)
+    return model

@@ -1,0 +1,155 @@
+"""Tensor parallelism (+ sequence parallel, loss parallel, async TP) for Llama-style models.
+
+Layout between blocks is sequence-sharded (``Shard(1)`` of ``[B, S, D]``): norms run
+sequence-parallel, attention/FFN inputs are all-gathered to ``Replicate`` and their column-wise
+projections shard heads / hidden units, and the row-wise output projections reduce-scatter back
+to ``Shard(1)``. With loss parallel the logits stay vocab-sharded (``Shard(-1)`` DTensor) and the
+loss must be computed inside ``torch.distributed.tensor.parallel.loss_parallel()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from torchtitan.tools.logging import logger
+
+
+def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Plan for ``tok_embeddings`` (vocab-parallel), ``norm`` (SP) and ``output``."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def block_tp_plan() -> dict[str, ParallelStyle]:
+    """Plan for one transformer block (attention + SwiGLU FFN, sequence-parallel norms).
+
+    ``freqs_cis`` (the attention's second input) is given as ``None``: it stays a plain tensor,
+    identical on every rank.
+    """
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def check_tp_heads(tp_degree: int, n_heads: int, n_kv_heads: int) -> None:
+    """Raise ValueError unless ``tp_degree`` divides both head counts."""
+    for name, count in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if count % tp_degree:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree={tp_degree} must divide the model's "
+                f"{name}={count}; lower the TP degree or pick another flavor"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> nn.Module:
+    """Apply the TP/SP plans to ``model`` (works on a meta-device model).
+
+    Parts that are missing or None (pipeline stages) are skipped. Tied input/output
+    embeddings stay tied: both plans shard the shared weight ``Shard(0)`` over the vocabulary.
+    """
+    tied = _is_tied(model)
+    plan = {
+        name: style
+        for name, style in non_block_tp_plan(loss_parallel).items()
+        if getattr(model, name, None) is not None
+    }
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    if tied:
+        # Each style wraps the weight in a new Parameter; point output back at the embedding's.
+        model.output.weight = model.tok_embeddings.weight
+    layers = getattr(model, "layers", None)
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
+        parallelize_module(block, tp_mesh, block_tp_plan())
+    logger.info(
+        f"Applied tensor parallel (degree {tp_mesh.size()}, sequence parallel, "
+        f"loss parallel {'on' if loss_parallel else 'off'})"
+    )
+    return model
+
+
+def _is_tied(model: nn.Module) -> bool:
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    return emb is not None and out is not None and emb.weight is out.weight
+
+
+def maybe_enable_async_tp(
+    enabled: bool, compile_model: bool, tp_mesh: DeviceMesh | None, device_type: str
+) -> bool:
+    """Turn on async TP (inductor micro-pipelining + symmetric memory) when asked.
+
+    Raises ValueError unless on CUDA with a compiled model; without TP (``tp_mesh`` None) it
+    only warns. Returns whether async TP was enabled.
+    """
+    if not enabled:
+        return False
+    if device_type != "cuda":
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+            f"this run is on {device_type}: turn it off"
+        )
+    if not compile_model:
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel needs torch.compile: set compile.enable "
+            "and include 'model' in compile.components"
+        )
+    if tp_mesh is None or tp_mesh.size() < 2:
+        logger.warning(
+            "parallelism.enable_async_tensor_parallel has no effect without tensor parallelism "
+            "(parallelism.tensor_parallel_degree=1)"
+        )
+        return False
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    logger.info("Async tensor parallel is on (micro-pipelined TP in compiled blocks)")
+    return True
+
+
+@contextlib.contextmanager
+def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
+    """``loss_parallel()`` when ``enabled`` (TP with vocab-sharded logits), else a no-op."""
+    if enabled:
+        with loss_parallel():
+            yield
+    else:
+        yield
