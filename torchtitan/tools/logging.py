@@ -14,7 +14,10 @@ def init_logger(level: int = logging.INFO) -> None:
     if not logger.handlers:
         handler = logging.StreamHandler()
         rank = os.environ.get("RANK")
-        prefix = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        # torchrun already prefixes each line with "[rankN]:"; other launchers do not.
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        multi_rank = os.environ.get("WORLD_SIZE", "1") != "1"
+        prefix = f"[rank{rank}] " if rank is not None and multi_rank and not under_torchrun else ""
         handler.setFormatter(
             logging.Formatter(f"{prefix}[titan] %(asctime)s - %(levelname)s - %(message)s")
         )
