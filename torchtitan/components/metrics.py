@@ -80,6 +80,8 @@ class MetricsProcessor:
         )
         self.peak_flops = get_peak_flops(dtype)
         self.num_flops_per_token = 0.0
+        # Ranks that split one batch's work (tp x cp x pp): tokens/s is reported per device.
+        self.tokens_divisor = 1
         self.ntokens_since_last_log = 0
         self.data_loading_times: list[float] = []
         self.time_last_log = time.perf_counter()
@@ -108,7 +110,7 @@ class MetricsProcessor:
     ) -> dict[str, float]:
         """Print the console line and write the sinks; returns the metrics dict."""
         elapsed = time.perf_counter() - self.time_last_log
-        tps = self.ntokens_since_last_log / elapsed
+        tps = self.ntokens_since_last_log / (elapsed * self.tokens_divisor)
         tflops = self.num_flops_per_token * tps / 1e12
         mfu = None if self.peak_flops is None else 100 * tflops * 1e12 / self.peak_flops
         mem = self.memory_monitor.get_peak_stats()

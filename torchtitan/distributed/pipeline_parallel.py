@@ -1,0 +1,721 @@
+"""Pipeline parallelism: cut a model into stages by layer, build stages and a schedule.
+
+A model is cut into ``num_stages`` *model parts*. Each part is a deep copy of the whole (meta)
+model with the modules of other stages removed: entries of a ``ModuleDict`` (``layers``) are
+deleted and other top-level modules (``tok_embeddings``, ``norm``, ``output``) are set to
+``None``, so every parameter keeps the FQN it has in the unsplit model and checkpoints are
+layout-independent. Stages are placed on pp ranks by the schedule's style: looped schedules put
+stages ``r, r + pp, ...`` on rank ``r``; V-shaped ones (ZBVZeroBubble, DualPipeV) put
+``r, 2 * pp - 1 - r``; a CSV schedule places stages where its action table runs them.
+
+Everything here is model-agnostic; ``torchtitan/models/<family>/pipeline.py`` wires it up.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+)
+
+from torchtitan.config.job_config import Parallelism
+from torchtitan.tools.logging import logger
+
+__all__ = [
+    "PipelineEvalRunner",
+    "PipelineLayout",
+    "ScaledLoss",
+    "SCHEDULES",
+    "build_pipeline_schedule",
+    "build_pipeline_stages",
+    "build_pipeline_validator",
+    "check_microbatches",
+    "check_pipeline_composition",
+    "generate_fqns_per_stage",
+    "get_schedule_class",
+    "n_microbatches_for",
+    "pipeline_forward_only",
+    "pipeline_module_split",
+    "pipeline_step",
+    "read_csv_stage_placement",
+    "resolve_pipeline_layout",
+    "split_model_part",
+    "stage_ids_this_rank",
+    "validate_fqns_per_stage",
+]
+
+# Schedule names accepted by parallelism.pipeline_parallel_schedule (case-insensitive).
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+_V_SCHEDULES = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+_ROUND_SCHEDULES = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+
+
+class ScaledLoss:
+    """``loss_fn(pred, labels) * scale``; the trainer sets ``scale`` before each step.
+
+    Pipeline schedules call the loss once per microbatch on the last stage. The training loop
+    sets ``scale`` to the same factor the non-PP path multiplies its loss by, so the losses and
+    gradients are identical; validation sets it to 1.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn = loss_fn
+        self.scale = 1.0
+
+    def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(pred, labels) * self.scale
+
+
+def get_schedule_class(name: str) -> type[_PipelineSchedule]:
+    """The schedule class for ``parallelism.pipeline_parallel_schedule`` (case-insensitive)."""
+    by_lower = {k.lower(): v for k, v in SCHEDULES.items()}
+    cls = by_lower.get(name.lower())
+    if cls is None:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={name!r} is not a known schedule; use one of "
+            f"{', '.join(SCHEDULES)} (or parallelism.pipeline_parallel_schedule_csv for a custom one)"
+        )
+    return cls
+
+
+def _schedule_name(cls: type) -> str:
+    for name, known in SCHEDULES.items():
+        if known is cls:
+            return name
+    return cls.__name__
+
+
+def read_csv_stage_placement(path: str) -> dict[int, list[int]]:
+    """pp rank -> sorted stage indices, read from a compute-only action table (one row per rank,
+    actions like ``0F0,1F0,1B0,0B0``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"parallelism.pipeline_parallel_schedule_csv={path!r} does not exist; give the path "
+            "of a CSV action table (one row per pp rank)"
+        )
+    placement: dict[int, list[int]] = {}
+    with open(path, newline="") as f:
+        for rank, row in enumerate(csv.reader(f)):
+            stages: set[int] = set()
+            for cell in row:
+                try:
+                    action = _Action.from_str(cell)
+                except RuntimeError as err:
+                    raise ValueError(
+                        f"parallelism.pipeline_parallel_schedule_csv={path!r}: row {rank} has an "
+                        f"invalid action {cell.strip()!r} (write actions like 0F0, 1B0, 1I0, 1W0)"
+                    ) from err
+                if action is not None:
+                    stages.add(action.stage_index)
+            placement[rank] = sorted(stages)
+    return placement
+
+
+def stage_ids_this_rank(
+    pp_rank: int, pp_size: int, num_stages: int, style: str = "loop"
+) -> tuple[int, ...]:
+    """Stages held by ``pp_rank``: looped ``r, r + pp, ...`` or V-shaped ``r, 2 * pp - 1 - r``."""
+    if num_stages % pp_size:
+        raise ValueError(
+            f"{num_stages} pipeline stages cannot be spread evenly over "
+            f"parallelism.pipeline_parallel_degree={pp_size} ranks"
+        )
+    per_rank = num_stages // pp_size
+    if style == "loop":
+        return tuple(pp_rank + k * pp_size for k in range(per_rank))
+    if style == "v":
+        if per_rank != 2:
+            raise ValueError(
+                f"V-shaped schedules need exactly 2 stages per rank, got {per_rank} "
+                f"({num_stages} stages over pp={pp_size})"
+            )
+        return (pp_rank, num_stages - 1 - pp_rank)
+    raise ValueError(f"unknown stage placement style {style!r}; use 'loop' or 'v'")
+
+
+def generate_fqns_per_stage(
+    num_stages: int,
+    n_layers: int,
+    input_weight: int = 1,
+    output_weight: int = 1,
+    *,
+    input_modules: Sequence[str] = ("tok_embeddings",),
+    output_modules: Sequence[str] = ("norm", "output"),
+    layers_prefix: str = "layers",
+) -> list[list[str]]:
+    """Balanced module FQNs per stage.
+
+    The input modules count as ``input_weight`` layers and the output modules as
+    ``output_weight`` layers (``pipeline_parallel_first/last_stage_less_layers``); the
+    ``n_layers + input_weight + output_weight`` units are spread as evenly as possible, earlier
+    stages taking the remainder.
+    """
+    if input_weight < 0 or output_weight < 0:
+        raise ValueError(
+            "parallelism.pipeline_parallel_first_stage_less_layers and "
+            f"last_stage_less_layers must be >= 0, got {input_weight} and {output_weight}"
+        )
+    layer = [f"{layers_prefix}.{i}" for i in range(n_layers)]
+    if num_stages == 1:
+        return [[*input_modules, *layer, *output_modules]]
+    units = n_layers + input_weight + output_weight
+    how = (
+        f"n_layers={n_layers} (+{input_weight} for the embedding, +{output_weight} for the "
+        f"output, from pipeline_parallel_first/last_stage_less_layers)"
+    )
+    if num_stages > units:
+        raise ValueError(
+            f"cannot split {how} into {num_stages} pipeline stages: every stage needs at least "
+            "one unit; lower parallelism.pipeline_parallel_degree or raise "
+            "pipeline_parallel_layers_per_stage"
+        )
+    base, extra = divmod(units, num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    n_first, n_last = sizes[0] - input_weight, sizes[-1] - output_weight
+    if n_first < 0 or n_last < 0:
+        raise ValueError(
+            f"cannot split {how} into {num_stages} pipeline stages: a stage holds only "
+            f"{min(sizes)} units, fewer than the embedding/output weight; lower "
+            "pipeline_parallel_first_stage_less_layers / last_stage_less_layers or use fewer stages"
+        )
+    out: list[list[str]] = []
+    nxt = 0
+    for s, size in enumerate(sizes):
+        count = n_first if s == 0 else n_last if s == num_stages - 1 else size
+        names = layer[nxt : nxt + count]
+        nxt += count
+        if s == 0:
+            names = [*input_modules, *names]
+        if s == num_stages - 1:
+            names = [*names, *output_modules]
+        out.append(names)
+    return out
+
+
+def _units(model: nn.Module) -> list[str]:
+    """Splittable units in model order: entries of ModuleDict children, other children whole."""
+    units: list[str] = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleDict):
+            units.extend(f"{name}.{key}" for key in child.keys())
+        elif child is not None:
+            units.append(name)
+    return units
+
+
+def validate_fqns_per_stage(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> None:
+    """Every unit of ``model`` is in exactly one stage, names exist, and stages follow model order.
+
+    Raises ValueError naming ``parallelism.module_fqns_per_model_part`` and the offending name.
+    """
+    key = "parallelism.module_fqns_per_model_part"
+    units = _units(model)
+    order = {u: i for i, u in enumerate(units)}
+    containers = {n for n, c in model.named_children() if isinstance(c, nn.ModuleDict)}
+    owner: dict[str, int] = {}
+    last_pos = -1
+    for s, names in enumerate(fqns_per_stage):
+        if not names:
+            raise ValueError(f"{key}: model part {s} is empty; give every part at least one module")
+        expanded: list[str] = []
+        for name in names:
+            if name in containers:  # a whole ModuleDict, e.g. "layers"
+                expanded.extend(u for u in units if u.startswith(f"{name}."))
+            elif name in order:
+                expanded.append(name)
+            else:
+                raise ValueError(
+                    f"{key}: part {s} names {name!r}, which is not a module of the model; use "
+                    f"names like {', '.join(units[:2])}, ..., {units[-1]}"
+                )
+        for unit in expanded:
+            if unit in owner:
+                raise ValueError(
+                    f"{key}: {unit!r} is in both part {owner[unit]} and part {s}; list it once"
+                )
+            owner[unit] = s
+        positions = sorted(order[u] for u in expanded)
+        if positions and positions[0] < last_pos:
+            raise ValueError(
+                f"{key}: part {s} holds {units[positions[0]]!r}, which comes before modules of "
+                "an earlier part; list the parts in model order"
+            )
+        last_pos = max(last_pos, positions[-1] if positions else last_pos)
+    missing = [u for u in units if u not in owner]
+    if missing:
+        raise ValueError(
+            f"{key}: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} in no part; "
+            "every module must belong to one pipeline stage"
+        )
+
+
+def split_model_part(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
+    """A deep copy of ``model`` holding only ``fqns`` (FQNs unchanged).
+
+    ModuleDict entries not listed are deleted (an unlisted ModuleDict becomes empty); other
+    unlisted children are set to ``None``. Works on meta-device models.
+    """
+    keep = set(fqns)
+    part = copy.deepcopy(model)
+    for name, child in list(part.named_children()):
+        if isinstance(child, nn.ModuleDict):
+            if name in keep:
+                continue
+            for key in list(child.keys()):
+                if f"{name}.{key}" not in keep:
+                    del child[key]
+        elif isinstance(child, nn.ModuleList):
+            raise ValueError(
+                f"cannot split {type(model).__name__}.{name}: pipeline splitting needs an "
+                "nn.ModuleDict (keys '0'..'N-1') so FQNs stay stable, not an nn.ModuleList"
+            )
+        elif name not in keep:
+            setattr(part, name, None)
+    return part
+
+
+@dataclass
+class PipelineLayout:
+    """How the model is cut and which stages this pp rank holds."""
+
+    schedule_class: type[_PipelineSchedule]
+    num_stages: int
+    stage_ids: tuple[int, ...]
+    fqns_per_stage: list[list[str]]
+    csv_path: str | None = None
+
+    @property
+    def is_multi_stage(self) -> bool:
+        return issubclass(self.schedule_class, PipelineScheduleMulti)
+
+
+def resolve_pipeline_layout(
+    cfg: Parallelism,
+    model: nn.Module,
+    n_layers: int,
+    pp_rank: int,
+    *,
+    input_modules: Sequence[str] = ("tok_embeddings",),
+    output_modules: Sequence[str] = ("norm", "output"),
+    layers_prefix: str = "layers",
+) -> PipelineLayout:
+    """Pick the schedule, count stages, cut the layers and place stages (no communication).
+
+    Stage count: ``module_fqns_per_model_part`` if set, else
+    ``ceil((n_layers + first_less + last_less) / pipeline_parallel_layers_per_stage)``, else one
+    stage per rank for single-stage schedules (GPipe, 1F1B) and two for the others (or what a
+    CSV schedule uses). Raises ValueError up front for impossible combinations.
+    """
+    pp = cfg.pipeline_parallel_degree
+    csv_path = cfg.pipeline_parallel_schedule_csv or None
+    placement: dict[int, list[int]] | None = None
+    if csv_path:
+        schedule_class: type[_PipelineSchedule] = _PipelineScheduleRuntime
+        placement = read_csv_stage_placement(csv_path)
+        if len(placement) != pp:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule_csv={csv_path!r} has {len(placement)} "
+                f"rows but pipeline_parallel_degree={pp}; write one row per pp rank"
+            )
+        csv_stages = sorted(s for stages in placement.values() for s in stages)
+        if csv_stages != list(range(len(csv_stages))):
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule_csv={csv_path!r} must run each stage "
+                f"0..N-1 on exactly one rank; it runs stages {csv_stages}"
+            )
+    else:
+        schedule_class = get_schedule_class(cfg.pipeline_parallel_schedule)
+    name = _schedule_name(schedule_class) if not csv_path else f"CSV schedule {csv_path!r}"
+    single = issubclass(schedule_class, PipelineScheduleSingle)
+    v_style = issubclass(schedule_class, _V_SCHEDULES)
+    first_less = cfg.pipeline_parallel_first_stage_less_layers
+    last_less = cfg.pipeline_parallel_last_stage_less_layers
+    lps = cfg.pipeline_parallel_layers_per_stage
+
+    fqns = cfg.module_fqns_per_model_part
+    if fqns:
+        num_stages = len(fqns)
+        source = f"parallelism.module_fqns_per_model_part ({num_stages} parts)"
+    elif lps is not None:
+        if lps < 1:
+            raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage={lps} must be >= 1")
+        num_stages = math.ceil((n_layers + first_less + last_less) / lps)
+        source = (
+            f"pipeline_parallel_layers_per_stage={lps} (n_layers={n_layers} + first/last stage "
+            f"weights {first_less}+{last_less} -> {num_stages} stages)"
+        )
+    elif placement is not None:
+        num_stages = sum(len(s) for s in placement.values())
+        source = f"the CSV schedule ({num_stages} stages)"
+    else:
+        num_stages = pp * (1 if single else 2)
+        source = f"the default for {name} ({num_stages} stages)"
+
+    if num_stages % pp:
+        raise ValueError(
+            f"{source} cannot be spread evenly over pipeline_parallel_degree={pp} ranks; "
+            "pick a stage count that is a multiple of the pp degree"
+        )
+    per_rank = num_stages // pp
+    if placement is not None:
+        csv_count = sum(len(s) for s in placement.values())
+        if csv_count != num_stages:
+            raise ValueError(
+                f"{source} does not match the {csv_count} stages run by "
+                f"parallelism.pipeline_parallel_schedule_csv={csv_path!r}"
+            )
+        stage_ids = tuple(placement[pp_rank])
+    else:
+        if single and per_rank != 1:
+            raise ValueError(
+                f"schedule {name} runs one stage per rank, but {source} gives {per_rank} per rank; "
+                "use a multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                "ZBVZeroBubble, DualPipeV) or fewer stages"
+            )
+        if not single and per_rank < 2:
+            raise ValueError(
+                f"schedule {name} needs at least 2 stages per rank, but {source} gives "
+                f"{per_rank}; use GPipe/1F1B or lower pipeline_parallel_layers_per_stage"
+            )
+        if v_style and per_rank != 2:
+            raise ValueError(
+                f"schedule {name} needs exactly 2 stages per rank (V shape), but {source} gives "
+                f"{per_rank}"
+            )
+        stage_ids = stage_ids_this_rank(pp_rank, pp, num_stages, "v" if v_style else "loop")
+
+    if fqns:
+        fqns_per_stage = [list(p) for p in fqns]
+    else:
+        try:
+            fqns_per_stage = generate_fqns_per_stage(
+                num_stages,
+                n_layers,
+                first_less,
+                last_less,
+                input_modules=input_modules,
+                output_modules=output_modules,
+                layers_prefix=layers_prefix,
+            )
+        except ValueError as err:
+            raise ValueError(f"{err} (stage count from {source})") from None
+    validate_fqns_per_stage(model, fqns_per_stage)
+    return PipelineLayout(schedule_class, num_stages, stage_ids, fqns_per_stage, csv_path)
+
+
+def check_pipeline_composition(parallel_dims) -> None:
+    """Reject compositions with pipeline parallelism that train incorrectly.
+
+    DDP (``data_parallel_replicate_degree > 1`` without sharding) syncs gradients from its own
+    reducer, which expects one backward per forward; pipeline schedules run several microbatch
+    forwards first, and in torch 2.13 the resulting gradients are wrong (measured: the loss
+    drifts from the single-device run from step 2). FSDP and HSDP are handled by the stages.
+    """
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        raise ValueError(
+            "pipeline parallelism cannot be combined with DDP (parallelism."
+            "data_parallel_replicate_degree > 1 with data_parallel_shard_degree = 1); use "
+            "data_parallel_shard_degree > 1 instead (FSDP, or HSDP together with replicate)"
+        )
+
+
+def n_microbatches_for(cfg: Parallelism, local_batch_size: int) -> int:
+    """``local_batch_size // pipeline_parallel_microbatch_size``; ValueError unless it divides."""
+    mbs = cfg.pipeline_parallel_microbatch_size
+    if mbs < 1 or local_batch_size % mbs:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1 and divide "
+            f"training.local_batch_size={local_batch_size}"
+        )
+    return local_batch_size // mbs
+
+
+def check_microbatches(layout: PipelineLayout, n_microbatches: int, pp: int) -> None:
+    """Reject microbatch counts the schedule cannot run (torch 2.13's rules, with config names)."""
+    cls = layout.schedule_class
+    name = _schedule_name(cls)
+    hint = (
+        "raise training.local_batch_size or lower parallelism.pipeline_parallel_microbatch_size "
+        "(n_microbatches = local_batch_size // microbatch_size)"
+    )
+    if cls is Schedule1F1B and n_microbatches < layout.num_stages:
+        raise ValueError(
+            f"schedule 1F1B needs at least as many microbatches as stages: got {n_microbatches} "
+            f"microbatches for {layout.num_stages} stages; {hint}"
+        )
+    if cls is ScheduleDualPipeV and n_microbatches < layout.num_stages:
+        raise ValueError(
+            f"schedule DualPipeV needs at least as many microbatches as stages: got "
+            f"{n_microbatches} microbatches for {layout.num_stages} stages; {hint}"
+        )
+    if cls in _ROUND_SCHEDULES:
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"schedule {name} needs the number of microbatches ({n_microbatches}) to be a "
+                f"multiple of the rounds max(1, n_microbatches // pp) = {rounds}; use a multiple "
+                f"of pipeline_parallel_degree={pp} (or fewer microbatches than pp); {hint}"
+            )
+    if n_microbatches < layout.num_stages:
+        logger.warning(
+            f"{n_microbatches} pipeline microbatches for {layout.num_stages} stages: the pipeline "
+            "bubble will dominate; use more microbatches"
+        )
+
+
+def build_pipeline_stages(
+    parts: Sequence[nn.Module],
+    stage_ids: Sequence[int],
+    num_stages: int,
+    device: torch.device,
+    pp_group: torch.distributed.ProcessGroup,
+) -> list[PipelineStage]:
+    """One ``PipelineStage`` per model part on the pp process group (shapes inferred at runtime)."""
+    return [
+        PipelineStage(part, stage_idx, num_stages, device, group=pp_group)
+        for part, stage_idx in zip(parts, stage_ids)
+    ]
+
+
+def build_pipeline_schedule(
+    layout: PipelineLayout,
+    stages: list[PipelineStage],
+    n_microbatches: int,
+    pp: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule over this rank's ``stages`` (``scale_grads=False``: ``loss_fn`` normalises)."""
+    check_microbatches(layout, n_microbatches, pp)
+    cls = layout.schedule_class
+    target = stages if layout.is_multi_stage else stages[0]
+    try:
+        schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as err:
+        raise ValueError(
+            f"pipeline schedule {_schedule_name(cls)} with {n_microbatches} microbatches and "
+            f"{layout.num_stages} stages over pp={pp}: {err}"
+        ) from None
+    if layout.csv_path:
+        try:
+            schedule._load_csv(layout.csv_path)
+        except (AssertionError, RuntimeError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule_csv={layout.csv_path!r} is not a valid "
+                f"schedule for {n_microbatches} microbatches and {layout.num_stages} stages: "
+                f"{first_line}"
+            ) from None
+    logger.info(
+        f"Pipeline schedule {_schedule_name(cls) if not layout.csv_path else layout.csv_path}: "
+        f"{layout.num_stages} stages, {n_microbatches} microbatches, this rank holds stages "
+        f"{list(layout.stage_ids)}"
+    )
+    return schedule
+
+
+def pipeline_module_split(
+    model: nn.Module,
+    layout: PipelineLayout,
+) -> list[nn.Module]:
+    """This rank's model parts (deep copies of ``model``), in the order of ``layout.stage_ids``."""
+    parts = []
+    for stage_idx in layout.stage_ids:
+        part = split_model_part(model, layout.fqns_per_stage[stage_idx])
+        parts.append(part)
+        logger.info(f"Pipeline stage {stage_idx}: {', '.join(_units(part)) or '(empty)'}")
+    return parts
+
+
+def pipeline_step(
+    schedule: _PipelineSchedule,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    has_first_stage: bool,
+    has_last_stage: bool,
+    train: bool = True,
+) -> torch.Tensor:
+    """Run one batch through the pipeline: forward+backward (``train``) or forward only.
+
+    Every pp rank calls this with the same batch; the first stage feeds ``inputs`` and the last
+    stage applies the schedule's loss per microbatch against ``labels``. Returns the sum of the
+    microbatch losses (detached, a plain tensor) on a rank holding the last stage, else 0.
+    Forward-only runs use :func:`pipeline_forward_only` (torch 2.13's ``schedule.eval`` runs
+    backward actions of multi-stage schedules and fails).
+    """
+    if not train:
+        return pipeline_forward_only(schedule, inputs, labels)
+    losses: list[torch.Tensor] | None = [] if has_last_stage else None
+    args = (inputs,) if has_first_stage else ()
+    target = labels if has_last_stage else None
+    schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    if not losses:
+        return torch.zeros((), device=inputs.device)
+    return torch.stack([_local(loss.detach()) for loss in losses]).sum()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a (replicated) DTensor loss, e.g. under loss parallel."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # dtype code, ndim, up to 8 dims
+
+
+def _send(t: torch.Tensor, peer: int, group, works: list) -> None:
+    t = t.detach().contiguous()
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
+    header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    works.append(torch.distributed.isend(header, group=group, group_dst=peer))
+    works.append(torch.distributed.isend(t, group=group, group_dst=peer))
+
+
+def _recv(peer: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    torch.distributed.recv(header, group=group, group_src=peer)
+    ndim = int(header[1])
+    shape = [int(d) for d in header[2 : 2 + ndim]]
+    out = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
+    torch.distributed.recv(out, group=group, group_src=peer)
+    return out
+
+
+@torch.no_grad()
+def pipeline_forward_only(
+    schedule: _PipelineSchedule, inputs: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Forward-only pass of one batch through ``schedule``'s stages, with its loss function.
+
+    Microbatches (``torch.tensor_split`` into the schedule's count, so any batch size works)
+    flow stage by stage over point-to-point sends on the pp group; a rank that holds two
+    adjacent stages hands the activation over locally. Returns the summed loss on the rank
+    holding the last stage, else 0 (plain tensors).
+    """
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    by_index = {stage.stage_index: stage for stage in stages}
+    ref = stages[0]
+    group, rank_of = ref.group, ref.stage_index_to_group_rank
+    num_stages, me = ref.num_stages, ref.group_rank
+    loss_fn = schedule._loss_fn
+    total = torch.zeros((), device=inputs.device)
+    works: list = []
+    for x, y in zip(
+        torch.tensor_split(inputs, schedule._n_microbatches),
+        torch.tensor_split(labels, schedule._n_microbatches),
+    ):
+        if x.shape[0] == 0:
+            continue
+        h: torch.Tensor | None = x
+        for idx in range(num_stages):
+            if idx not in by_index:
+                continue
+            if idx > 0 and rank_of[idx - 1] != me:
+                h = _recv(rank_of[idx - 1], group, inputs.device)
+            h = by_index[idx].submod(h)
+            if idx == num_stages - 1:
+                total = total + _local(loss_fn(h, y).detach())
+            elif rank_of[idx + 1] != me:
+                _send(h, rank_of[idx + 1], group, works)
+    for work in works:
+        work.wait()
+    _reshard_fsdp(stages)
+    return total
+
+
+def _reshard_fsdp(stages) -> None:
+    """Free parameters FSDP kept gathered after forward (PP's default), as training expects."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for stage in stages:
+        for module in stage.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+class PipelineEvalRunner:
+    """Adapts a pipeline to the validator's ``loss_fn(model(inputs), labels)`` contract.
+
+    ``runner(inputs)`` only holds the batch; ``runner.loss(pending, labels)`` runs the forward-only
+    pipeline with the schedule's loss at scale 1 (summed token loss) and all-reduces it over the
+    pp group, so every rank sees the last stage's value.
+    """
+
+    def __init__(self, schedule: _PipelineSchedule, loss_fn: ScaledLoss, pp_group) -> None:
+        self.schedule, self.loss_fn, self.pp_group = schedule, loss_fn, pp_group
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        scale, self.loss_fn.scale = self.loss_fn.scale, 1.0
+        try:
+            total = pipeline_forward_only(self.schedule, inputs, labels).float()
+        finally:
+            self.loss_fn.scale = scale
+        torch.distributed.all_reduce(total, group=self.pp_group)
+        return total
+
+    def eval(self) -> PipelineEvalRunner:
+        return self
+
+    def train(self, mode: bool = True) -> PipelineEvalRunner:
+        return self
+
+
+def build_pipeline_validator(
+    schedule: _PipelineSchedule, loss_fn: ScaledLoss, pp_group, **validator_kwargs
+):
+    """A ``components.validate.Validator`` whose forward and loss run through the pipeline.
+
+    ``validator_kwargs`` are the Validator's own arguments except ``loss_fn`` (taken from the
+    schedule). ``validate(model_parts)`` switches the real parts to eval mode and back.
+    """
+    from torchtitan.components.validate import Validator
+
+    runner = PipelineEvalRunner(schedule, loss_fn, pp_group)
+
+    class PipelineValidator(Validator):
+        def validate(self, model_parts: list[nn.Module]) -> float:
+            for part in model_parts:
+                part.eval()
+            try:
+                return super().validate([runner])
+            finally:
+                for part in model_parts:
+                    part.train()
+
+    return PipelineValidator(
+        validator_kwargs.pop("build_dataloader"), runner.loss, **validator_kwargs
+    )

@@ -1,0 +1,68 @@
+"""Pipeline hook for the Llama family (``ModelSpec.pipelining_fn``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_parallel import (
+    build_pipeline_schedule,
+    build_pipeline_stages,
+    check_microbatches,
+    check_pipeline_composition,
+    n_microbatches_for,
+    pipeline_module_split,
+    resolve_pipeline_layout,
+)
+
+
+def pipeline_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+    model_args: Any,
+    parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module] | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+    """Cut a meta-device Llama into this pp rank's stages, parallelize each, build the schedule.
+
+    Returns ``(schedule, model_parts, has_first_stage, has_last_stage)``. The parts are still
+    on ``meta``: the caller materialises each (``to_empty`` + ``init_weights``) before the first
+    step. ``loss_fn`` runs on the last stage once per microbatch and must already carry the
+    loss normalisation (e.g. ``ScaledLoss``); gradients are not rescaled by the schedule.
+    """
+    cfg = job_config.parallelism
+    pp_mesh = parallel_dims.get_mesh("pp")
+    if pp_mesh is None:
+        raise ValueError("pipeline_llama needs parallelism.pipeline_parallel_degree > 1")
+    check_pipeline_composition(parallel_dims)
+    if getattr(model_args, "tie_word_embeddings", False):
+        raise ValueError(
+            "pipeline parallelism cannot split a model with tied input/output embeddings "
+            "(tie_word_embeddings=True puts one weight on the first and the last stage); "
+            "use a flavor without tied embeddings or parallelism.pipeline_parallel_degree=1"
+        )
+    layout = resolve_pipeline_layout(
+        cfg, model, n_layers=model_args.n_layers, pp_rank=pp_mesh.get_local_rank()
+    )
+    n_microbatches = n_microbatches_for(cfg, job_config.training.local_batch_size)
+    check_microbatches(layout, n_microbatches, cfg.pipeline_parallel_degree)
+    parts = pipeline_module_split(model, layout)
+    if parallelize_fn is not None:
+        parts = [parallelize_fn(part, parallel_dims, job_config) for part in parts]
+    stages = build_pipeline_stages(
+        parts, layout.stage_ids, layout.num_stages, device, pp_mesh.get_group()
+    )
+    schedule = build_pipeline_schedule(
+        layout, stages, n_microbatches, cfg.pipeline_parallel_degree, loss_fn
+    )
+    has_first = any(stage.is_first for stage in stages)
+    has_last = any(stage.is_last for stage in stages)
+    return schedule, parts, has_first, has_last
