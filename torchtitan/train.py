@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
@@ -22,10 +23,13 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import get_model_spec
+from torchtitan.tools import flight_recorder
 from torchtitan.tools.device import device_type, get_device
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 
 class TrainingError(RuntimeError):
@@ -48,7 +52,18 @@ class Trainer(Stateful):
         self.device = get_device()
         world_size = dist_utils.world_size_from_env()
         self.parallel_dims = parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        if world_size > 1:
+        if cfg.memory_estimation.enable:
+            from torchtitan.tools.memory_estimation import log_memory_estimate
+
+            log_memory_estimate(cfg, world_size)
+        # COMM_MODE=fake_backend|local_tensor: one process plays all ranks (no torchrun).
+        self.comm = CommMode.from_env(world_size)
+        if self.comm is not None:
+            self.comm.check(parallel_dims, cfg)
+            self.comm.adjust_config(cfg)
+            self.comm.init_distributed()
+        elif world_size > 1:
+            flight_recorder.configure_env(cfg.comm, cfg.job.dump_folder, device_type)
             dist_utils.init_distributed(cfg.comm, device_type)
         self.world_mesh = parallel_dims.build_mesh(device_type)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -73,21 +88,33 @@ class Trainer(Stateful):
         self.gradient_accumulation_steps = global_bs // (local_bs * dp_degree)
 
         self.model_spec = spec = get_model_spec(cfg.model.name)
-        self.tokenizer = spec.build_tokenizer_fn(cfg.model)
-        self.dataloader = spec.build_dataloader_fn(
-            dataset_name=cfg.training.dataset,
-            dataset_path=cfg.training.dataset_path,
-            tokenizer=self.tokenizer,
-            local_batch_size=local_bs,
-            seq_len=cfg.training.seq_len,
-            dp_rank=dp_rank,
-            dp_world_size=dp_degree,
-            infinite=True,
-            dataloader_config=cfg.training.dataloader,
-        )
+        if self.comm is None:
+            self.tokenizer = spec.build_tokenizer_fn(cfg.model)
+        else:
+            self.tokenizer = self.comm.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
+
+        def build_dataloader(dp_rank: int):
+            return spec.build_dataloader_fn(
+                dataset_name=cfg.training.dataset,
+                dataset_path=cfg.training.dataset_path,
+                tokenizer=self.tokenizer,
+                local_batch_size=local_bs,
+                seq_len=cfg.training.seq_len,
+                dp_rank=dp_rank,
+                dp_world_size=dp_degree,
+                infinite=True,
+                dataloader_config=cfg.training.dataloader,
+            )
 
         self.model_args = model_args = spec.get_model_args(cfg.model.flavor)
         model_args.update_from_config(cfg, tokenizer=self.tokenizer)
+        if self.comm is None:
+            self.dataloader = build_dataloader(dp_rank)
+        else:  # synthetic batches (fake_backend) or one loader per simulated dp rank
+            self.dataloader = self.comm.build_dataloader(
+                build_dataloader, parallel_dims, local_bs, cfg.training.seq_len,
+                model_args.vocab_size,
+            )
         parallel_dims.validate_for_model(
             n_heads=model_args.n_heads,
             n_kv_heads=model_args.n_kv_heads or model_args.n_heads,
@@ -95,39 +122,69 @@ class Trainer(Stateful):
             seq_len=cfg.training.seq_len,
         )
         logger.info(f"Building {cfg.model.name} {cfg.model.flavor} with {model_args}")
+        if self.comm is not None:  # local_tensor: LocalTensorMode from here on
+            self.comm.begin_model_build(cfg)
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         nparams, self.flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
 
-        if parallel_dims.pp_enabled:
-            raise ParallelismError(
-                "parallelism.pipeline_parallel_degree > 1 is not supported yet (planned)"
-            )
-        if spec.parallelize_fn is not None:
-            model = spec.parallelize_fn(model, parallel_dims, cfg)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
-            model.to(torch.bfloat16)
-        model.train()
-        self.model_parts = [model]
-
         compile_loss = cfg.compile.enable and "loss" in cfg.compile.components
         self.loss_fn = build_cross_entropy_loss(compile_loss, cfg.compile.backend)
+        self.pp_schedule = None  # pipeline parallel: schedule + which end stages this rank holds
+        self.pp_has_first_stage = self.pp_has_last_stage = True
+        if parallel_dims.pp_enabled:
+            from torchtitan.distributed.pipeline_parallel import ScaledLoss
+
+            if spec.pipelining_fn is None:
+                raise ParallelismError(
+                    f"model {cfg.model.name} has no pipeline support; set "
+                    "parallelism.pipeline_parallel_degree=1"
+                )
+            # Called per microbatch on the last stage; train_step sets its scale to the non-PP
+            # normalisation. Parts come back parallelized but still on meta (init below; the
+            # per-stage seed from set_determinism makes stages initialise differently).
+            self.pp_loss_fn = ScaledLoss(self.loss_fn)
+            (
+                self.pp_schedule,
+                model_parts,
+                self.pp_has_first_stage,
+                self.pp_has_last_stage,
+            ) = spec.pipelining_fn(
+                model, parallel_dims, cfg, self.device, model_args, spec.parallelize_fn,
+                self.pp_loss_fn,
+            )
+            del model
+        else:
+            if spec.parallelize_fn is not None:
+                model = spec.parallelize_fn(model, parallel_dims, cfg)
+            model_parts = [model]
+        if self.comm is not None:  # fake_backend: materialize as fake tensors
+            self.comm.before_materialize()
+        for model in model_parts:
+            model.to_empty(device=self.device)
+            with torch.no_grad(), (self.comm.init_weights_context() if self.comm else contextlib.nullcontext()):
+                model.init_weights(buffer_device=None)
+            if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
+                model.to(torch.bfloat16)
+            model.train()
+        self.model_parts = model_parts
+
         self.loss_parallel = parallel_dims.loss_parallel_enabled and not (
             cfg.parallelism.disable_loss_parallel
         )
 
         self.optimizers = build_optimizers(self.model_parts, cfg.optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, cfg.training.steps)
+        if self.comm is not None:
+            self.comm.end_model_build()
 
         self.step = 0
         self.ntokens_seen = 0
         owns_loss = True
         self.metrics = MetricsProcessor(cfg, rank=self.rank, owns_loss=owns_loss and self.rank == 0)
         self.metrics.num_flops_per_token = self.flops_per_token
+        self.metrics.tokens_divisor = parallel_dims.non_data_parallel_size
 
         from torchtitan.components.checkpoint import CheckpointManager
 
@@ -139,6 +196,11 @@ class Trainer(Stateful):
             states={"train_state": self},
             checkpoint_config=cfg.checkpoint,
             dump_folder=cfg.job.dump_folder,
+            sd_adapter=(
+                spec.state_dict_adapter(model_args, cfg.model.hf_assets_path)
+                if spec.state_dict_adapter is not None
+                else None
+            ),
         )
         self.validator = self._build_validator() if cfg.validation.enable else None
         self._stop_requested = False
@@ -184,6 +246,20 @@ class Trainer(Stateful):
                 dataloader_config=cfg.training.dataloader,
             )
 
+        if self.pp_schedule is not None:
+            from torchtitan.distributed.pipeline_parallel import build_pipeline_validator
+
+            return build_pipeline_validator(
+                self.pp_schedule,
+                self.pp_loss_fn,
+                self.parallel_dims.get_mesh("pp").get_group(),
+                build_dataloader=build,
+                freq=val.freq,
+                steps=val.steps,
+                device=self.device,
+                dp_mesh=self.loss_mesh,
+                train_context=self.train_context,
+            )
         return Validator(
             build,
             self.loss_fn,
@@ -214,16 +290,34 @@ class Trainer(Stateful):
     def forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
     ) -> torch.Tensor:
+        if self.pp_schedule is not None:
+            from torchtitan.distributed.pipeline_parallel import pipeline_step
+
+            # The schedule splits the batch into microbatches and runs forward+backward; the
+            # loss (0 except on the last stage) is the same normalised sum as below.
+            self.pp_loss_fn.scale = loss_scale
+            with self.train_context():
+                return pipeline_step(
+                    self.pp_schedule,
+                    inputs,
+                    labels,
+                    has_first_stage=self.pp_has_first_stage,
+                    has_last_stage=self.pp_has_last_stage,
+                )
         model = self.model_parts[0]
         with self.train_context():
             pred = model(inputs)
             loss = self.loss_fn(pred, labels) * loss_scale
             del pred
             loss.backward()
-        return loss.detach()
+        loss = loss.detach()
+        # Under loss parallel the loss is a replicated DTensor; its local value is the loss.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def train_step(self, data_iterator: Iterator) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (global mean loss, grad norm)."""
+        if self.comm is not None and self.comm.fake:
+            return self.comm.fake_train_step(self, data_iterator)
         self.optimizers.zero_grad()
         microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
@@ -242,6 +336,8 @@ class Trainer(Stateful):
             pp_mesh=self.parallel_dims.get_mesh("pp"),
         )
         loss = dist_utils.dist_reduce(local_loss / n_loss_ranks, "sum", self.loss_mesh)
+        if self.pp_schedule is not None:  # only last-stage ranks hold it; the others add 0
+            loss = dist_utils.dist_reduce(loss, "sum", self.parallel_dims.get_mesh("pp"))
         grad_norm_value = float(grad_norm)
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(grad_norm_value))):
             raise TrainingError(
@@ -264,23 +360,36 @@ class Trainer(Stateful):
         self._install_preemption_handler()
         data_iterator = iter(self.dataloader)
         logger.info(f"Training starts at step {self.step + 1}")
-        while self.step < cfg.training.steps:
-            self.step += 1
-            if self.step % self.gc_freq == 0:
-                gc.collect(1)
-            lr = self.lr_schedulers.get_last_lr()
-            loss, grad_norm = self.train_step(data_iterator)
-            if self.metrics.should_log(self.step):
-                self.metrics.log(self.step, loss, grad_norm, lr)
-            if self.validator is not None and self.validator.should_validate(self.step):
-                self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
-            stop = self._preemption_agreed()
-            self.checkpointer.save(self.step, last_step=(self.step == cfg.training.steps), force=stop)
-            if self.step == 1:
-                dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, self.world_mesh)
-            if stop:
-                logger.warning(f"Stopping after step {self.step} on SIGTERM (checkpoint written)")
-                break
+        dump_folder = cfg.job.dump_folder
+        with (
+            maybe_enable_profiling(cfg.profiling, dump_folder, global_step=self.step) as profiler,
+            maybe_enable_memory_snapshot(
+                cfg.profiling, dump_folder, global_step=self.step
+            ) as memory_profiler,
+            flight_recorder.CollectiveWatchdog(cfg.comm, dump_folder) as watchdog,
+        ):
+            while self.step < cfg.training.steps:
+                self.step += 1
+                watchdog.set_step(self.step)
+                if self.step % self.gc_freq == 0:
+                    gc.collect(1)
+                lr = self.lr_schedulers.get_last_lr()
+                loss, grad_norm = self.train_step(data_iterator)
+                if self.metrics.should_log(self.step) and not (self.comm and self.comm.fake):
+                    self.metrics.log(self.step, loss, grad_norm, lr)
+                if self.validator is not None and self.validator.should_validate(self.step):
+                    self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
+                stop = self._preemption_agreed()
+                self.checkpointer.save(self.step, last_step=(self.step == cfg.training.steps), force=stop)
+                if self.step == 1:
+                    dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, self.world_mesh)
+                if profiler is not None:
+                    profiler.step()
+                if memory_profiler is not None:
+                    memory_profiler.step()
+                if stop:
+                    logger.warning(f"Stopping after step {self.step} on SIGTERM (checkpoint written)")
+                    break
         logger.info("Training completed")
 
     def _install_preemption_handler(self) -> None:
@@ -301,6 +410,8 @@ class Trainer(Stateful):
     def close(self) -> None:
         self.checkpointer.close()
         self.metrics.close()
+        if self.comm is not None:
+            self.comm.close()
 
     # --- Stateful ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -25,7 +25,10 @@ def test_builtin_families_registered():
     assert {"debugmodel", "debugmodel_tiny", "1B", "8B", "70B", "405B"} <= set(spec.flavors)
     assert set(get_model_spec("llama2").flavors) == {"debugmodel", "7B", "13B", "70B"}
     assert get_model_spec("llama2").model_cls is Transformer
-    assert spec.state_dict_adapter is None and spec.build_optimizers_fn is None
+    assert spec.build_optimizers_fn is None
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    assert spec.state_dict_adapter.resolve() is Llama3StateDictAdapter
 
 
 def test_spec_hooks_reference_the_agreed_builders():

@@ -69,7 +69,9 @@ def _register() -> None:
             model_args=llama2_args,
             parallelize_fn=lazy("torchtitan.models.llama3.parallelize:parallelize_llama"),
             pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
-            state_dict_adapter=None,
+            state_dict_adapter=lazy(
+                "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
+            ),
             build_optimizers_fn=None,
             **common_builders(),
         )

@@ -1,0 +1,73 @@
+"""Convert Hugging Face Llama safetensors into a torchtitan DCP checkpoint.
+
+    python scripts/convert_hf_to_dcp.py HF_DIR OUT_DIR
+
+``HF_DIR`` holds ``config.json`` and ``*.safetensors`` (a ``save_pretrained`` folder or a hub
+snapshot). ``OUT_DIR`` becomes a committed model-only DCP checkpoint; start training from it
+with ``--checkpoint.enable --checkpoint.initial_load_path OUT_DIR``. Runs in one process, no
+GPU and no process group needed; memory is about the size of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from torchtitan.components import checkpoint_utils as cu  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
+    Llama3StateDictAdapter,
+    model_args_from_hf_config,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert_hf_to_dcp(hf_dir: str, out_dir: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Convert ``hf_dir`` into a DCP checkpoint at ``out_dir``; returns the converted weights."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found: HF_DIR must hold config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    args = model_args_from_hf_config(config)
+    state = Llama3StateDictAdapter(args).from_hf(cu.load_safetensors_folder(hf_dir))
+    if dtype is not None:
+        state = {k: v.to(_DTYPES[dtype]) for k, v in state.items()}
+    info = {"step": 0, "model_only": True, "states": [], "converted_from": os.path.abspath(hf_dir)}
+    cu.save_dcp_single_process(state, out_dir, info)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+    parser.add_argument("out_dir", help="DCP checkpoint folder to write")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="cast the weights (default: keep the stored dtype)")
+    ns = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        state = convert_hf_to_dcp(ns.hf_dir, ns.out_dir, ns.dtype)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in {t.data_ptr(): t for t in state.values()}.values())
+    print(
+        f"wrote {ns.out_dir}: {len(state)} tensors, {n:,} parameters in "
+        f"{time.perf_counter() - start:.1f} s; train from it with --checkpoint.enable "
+        f"--checkpoint.initial_load_path {ns.out_dir}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

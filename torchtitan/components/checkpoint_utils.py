@@ -1,0 +1,314 @@
+"""Checkpoint folder bookkeeping (atomic commit, verification, purging) and file-format helpers.
+
+A checkpoint is written to ``step-N.tmp`` and becomes ``step-N`` only after every rank finished
+writing: rank 0 then writes a commit marker (``.committed``, listing every file and its size) and
+renames the folder. A folder is *complete* when it is named ``step-N`` and either its marker's
+file list matches the disk, or (for checkpoints written by other tools) it has DCP's
+``.metadata``. Everything here is plain file-system work, safe without a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+STEP_PREFIX = "step-"
+TMP_SUFFIX = ".tmp"
+COMMIT_MARKER = ".committed"
+DCP_METADATA = ".metadata"
+HF_SUBFOLDER = "hf"
+FORMAT_VERSION = 1
+
+_STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of the checkpoint of ``step``: ``step-N``."""
+    return f"{STEP_PREFIX}{step}"
+
+
+def parse_step_dir(name: str) -> tuple[int, bool] | None:
+    """``("step-12") -> (12, False)``, ``("step-12.tmp") -> (12, True)``; None for other names."""
+    m = _STEP_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2) is not None
+
+
+@dataclass
+class CheckpointEntry:
+    """One ``step-N`` (or ``step-N.tmp``) folder and whether it can be loaded."""
+
+    step: int
+    path: str
+    complete: bool
+    reason: str = ""
+    """Why it is not complete (empty when complete)."""
+    marker: dict[str, Any] | None = None
+    """The commit marker's content (None for foreign or incomplete checkpoints)."""
+
+
+def _list_files(root: str) -> dict[str, int]:
+    files: dict[str, int] = {}
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            if rel == COMMIT_MARKER:
+                continue
+            files[rel] = os.path.getsize(full)
+    return files
+
+
+def read_marker(path: str) -> dict[str, Any] | None:
+    """The commit marker of checkpoint folder ``path``; None if absent or unreadable."""
+    try:
+        with open(os.path.join(path, COMMIT_MARKER)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def verify_checkpoint(path: str) -> tuple[str, dict[str, Any] | None]:
+    """Check a ``step-N`` folder: returns ``(reason, marker)`` with ``reason == ""`` when complete.
+
+    With a commit marker every listed file must exist with its recorded size; without one (a
+    checkpoint from another tool) DCP's ``.metadata`` (written last by DCP) must be present.
+    """
+    if not os.path.isdir(path):
+        return "not a folder", None
+    marker_path = os.path.join(path, COMMIT_MARKER)
+    if os.path.exists(marker_path):
+        marker = read_marker(path)
+        if marker is None or not isinstance(marker.get("files"), dict):
+            return f"its commit marker {COMMIT_MARKER} is unreadable", None
+        for rel, size in marker["files"].items():
+            full = os.path.join(path, rel)
+            if not os.path.exists(full):
+                return f"file {rel} listed in {COMMIT_MARKER} is missing", marker
+            actual = os.path.getsize(full)
+            if actual != size:
+                return f"file {rel} has {actual} bytes, {COMMIT_MARKER} says {size}", marker
+        return "", marker
+    if os.path.exists(os.path.join(path, DCP_METADATA)):
+        return "", None
+    return f"it has no {DCP_METADATA} and no {COMMIT_MARKER} (an interrupted or foreign write)", None
+
+
+def scan_checkpoints(folder: str) -> list[CheckpointEntry]:
+    """Every ``step-N``/``step-N.tmp`` folder in ``folder``, oldest first (tmp after final)."""
+    if not os.path.isdir(folder):
+        return []
+    entries: list[CheckpointEntry] = []
+    for name in os.listdir(folder):
+        parsed = parse_step_dir(name)
+        path = os.path.join(folder, name)
+        if parsed is None or not os.path.isdir(path):
+            continue
+        step, is_tmp = parsed
+        if is_tmp:
+            entries.append(
+                CheckpointEntry(step, path, False, "an unfinished write (never committed)")
+            )
+            continue
+        reason, marker = verify_checkpoint(path)
+        entries.append(CheckpointEntry(step, path, reason == "", reason, marker))
+    entries.sort(key=lambda e: (e.step, e.path.endswith(TMP_SUFFIX)))
+    return entries
+
+
+def complete_checkpoints(folder: str) -> list[CheckpointEntry]:
+    """The complete checkpoints in ``folder``, oldest first."""
+    return [e for e in scan_checkpoints(folder) if e.complete]
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit_checkpoint(tmp_path: str, final_path: str, info: dict[str, Any]) -> None:
+    """Write the commit marker into ``tmp_path`` and rename it to ``final_path`` (rank 0 only).
+
+    Call only after every rank has finished writing. An existing ``final_path`` (the same step
+    saved again) is replaced; older checkpoints are never touched.
+    """
+    marker = dict(info)
+    marker["format_version"] = FORMAT_VERSION
+    marker["committed_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    marker["files"] = _list_files(tmp_path)
+    marker_tmp = os.path.join(tmp_path, COMMIT_MARKER + ".part")
+    with open(marker_tmp, "w") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker_tmp, os.path.join(tmp_path, COMMIT_MARKER))
+    _fsync_dir(tmp_path)
+    if os.path.exists(final_path):
+        # Re-saving a step: move the old copy aside first so the rename below is atomic.
+        doomed = f"{final_path}.replaced{TMP_SUFFIX}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.rename(final_path, doomed)
+        os.rename(tmp_path, final_path)
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        os.rename(tmp_path, final_path)
+    _fsync_dir(os.path.dirname(final_path) or ".")
+
+
+def purge_candidates(
+    folder: str, keep_latest_k: int, protect: Iterable[str] = ()
+) -> list[str]:
+    """Folders to delete so that only the newest ``keep_latest_k`` complete checkpoints remain.
+
+    Also lists leftover ``*.tmp`` folders (interrupted writes) except the protected ones (the
+    checkpoints being written now). The newest complete checkpoint is never listed.
+    ``keep_latest_k <= 0`` keeps everything.
+    """
+    if keep_latest_k <= 0:
+        return []
+    protected = {os.path.abspath(p) for p in protect}
+    entries = scan_checkpoints(folder)
+    complete = [e for e in entries if e.complete]
+    doomed = [e.path for e in complete[:-keep_latest_k]]
+    for e in entries:
+        if e.path.endswith(TMP_SUFFIX) and os.path.abspath(e.path) not in protected:
+            doomed.append(e.path)
+    # also ".replaced.tmp" leftovers are *.tmp but not step-N.tmp: remove them too
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.endswith(f".replaced{TMP_SUFFIX}"):
+                doomed.append(os.path.join(folder, name))
+    newest = complete[-1].path if complete else None
+    return [p for p in doomed if p != newest and os.path.abspath(p) not in protected]
+
+
+# --- DCP helpers ----------------------------------------------------------------------------
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """DCP ``Metadata`` of checkpoint folder ``path`` (``state_dict_metadata``: key -> meta)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(path).read_metadata()
+
+
+NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+def dcp_model_keys(metadata: Any, extra_non_model: Iterable[str] = ()) -> list[str]:
+    """Keys of ``metadata`` that hold model weights (tensors outside the non-model states)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefixes = NON_MODEL_PREFIXES + tuple(f"{p}." for p in extra_non_model)
+    return [
+        k
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and not k.startswith(prefixes)
+    ]
+
+
+def load_dcp_model_tensors(
+    path: str, dtype: torch.dtype | None = None, extra_non_model: Iterable[str] = ()
+) -> dict[str, torch.Tensor]:
+    """Read every model weight of a DCP checkpoint into full CPU tensors (one process, no PG)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_dcp_metadata(path)
+    meta = metadata.state_dict_metadata
+    keys = dcp_model_keys(metadata, extra_non_model)
+    sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    if not sd:
+        raise ValueError(f"{path} holds no model weights")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    return sd
+
+
+def save_dcp_single_process(state_dict: dict[str, Any], path: str, info: dict[str, Any]) -> None:
+    """Write ``state_dict`` as a committed DCP checkpoint at ``path`` from one process."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.rstrip("/") + TMP_SUFFIX
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+    commit_checkpoint(tmp, path, info)
+
+
+# --- safetensors (HF) -----------------------------------------------------------------------
+
+
+def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``folder`` (HF layout, sharded or not)."""
+    from safetensors.torch import load_file
+
+    if os.path.isfile(folder) and folder.endswith(".safetensors"):
+        return load_file(folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such HF checkpoint folder")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        sd.update(load_file(os.path.join(folder, name)))
+    return sd
+
+
+def save_safetensors_folder(
+    state_dict: dict[str, torch.Tensor], folder: str, max_shard_bytes: int = 5 * 2**30
+) -> list[str]:
+    """Write ``state_dict`` as HF safetensors (``model.safetensors``, or shards plus
+    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``); returns file names."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state_dict):
+        t = state_dict[key].detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(folder, name), metadata=meta)
+        for key, t in shard.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names + ["model.safetensors.index.json"]

@@ -1,0 +1,277 @@
+"""Predict one rank's peak memory for a config at any world size, without the hardware.
+
+One process joins a ``fake`` process group of ``world_size`` ranks, builds and parallelizes the
+model exactly as the trainer does, materializes it as fake tensors (``FakeTensorMode``: shapes
+and dtypes, no storage) and runs two training steps (forward, backward, clipping, optimizer;
+the second one with optimizer state) under torch's memory tracker
+(``FSDPMemTracker`` with FSDP, ``MemTracker`` otherwise), which adds up every live tensor.
+
+What is counted: parameters (sharded and all-gathered), gradients, optimizer state,
+activations (after activation checkpointing), temporaries, collective buffers, inputs.
+What is not: the CUDA context and NCCL workspaces (~0.5-1.5 GiB per GPU), caching-allocator
+fragmentation (reserved memory is typically 5-20 % above active), and kernels' workspaces.
+Attention is traced with the CPU SDPA kernel, whose saved tensors match flash attention's.
+
+``memory_estimation.disable_fake_mode`` uses real tensors instead (real allocation and compute,
+so only for small models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.tools.logging import logger
+
+__all__ = ["MemoryEstimate", "estimate_memory", "log_memory_estimate"]
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """One rank's predicted peak memory (bytes) and what it is made of at the peak."""
+
+    world_size: int
+    rank: int
+    peak_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    step_peak_bytes: list[int] = field(default_factory=list)
+    parallelism: str = ""
+    fake: bool = True
+    seconds: float = 0.0
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GiB
+
+    def format(self) -> str:
+        """A multi-line human-readable summary."""
+        lines = [
+            f"Estimated peak memory of rank {self.rank} at world size {self.world_size} "
+            f"({self.parallelism}): {self.peak_gib:.2f} GiB"
+            f"{'' if self.fake else ' (real tensors)'}",
+        ]
+        for name, nbytes in sorted(self.breakdown.items(), key=lambda kv: -kv[1]):
+            if nbytes > 0:
+                lines.append(f"  {name:<16} {nbytes / GiB:9.3f} GiB")
+        if self.step_peak_bytes:
+            per_step = ", ".join(f"{b / GiB:.2f}" for b in self.step_peak_bytes)
+            lines.append(f"  peak per step (GiB): {per_step}")
+        lines.append(
+            "  not included: CUDA context + NCCL buffers (~0.5-1.5 GiB), allocator fragmentation"
+        )
+        return "\n".join(lines)
+
+
+_propagation_depth = 0
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation() -> Iterator[None]:
+    """Mark DTensor's sharding propagation so the tracker skips it.
+
+    Under an ambient FakeTensorMode, DTensor propagates some ops (foreach norms, fused
+    optimizers) by running them on *global-shape* fake tensors in that same mode; torch's
+    tracker would count those as real memory (a full unsharded copy of every gradient).
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        global _propagation_depth
+        _propagation_depth += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            _propagation_depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def _skipping_propagation(tracker_cls: type) -> type:
+    class Tracker(tracker_cls):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _propagation_depth:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    Tracker.__name__ = tracker_cls.__name__
+    return Tracker
+
+
+def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return _skipping_propagation(FSDPMemTracker)(mod=model, optm=optimizer)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = _skipping_propagation(MemTracker)()
+    tracker.track_external(model, optimizer)
+    return tracker
+
+
+def _peak_of(snapshot: dict) -> tuple[int, dict[str, int]]:
+    peak, breakdown = 0, {}
+    for per_device in snapshot.values():
+        total = int(per_device.get("Total", 0))
+        if total >= peak:
+            peak = total
+            breakdown = {
+                str(getattr(k, "value", k)): int(v) for k, v in per_device.items() if k != "Total"
+            }
+    return peak, breakdown
+
+
+def estimate_memory(
+    job_config: JobConfig,
+    world_size: int,
+    *,
+    rank: int = 0,
+    fake: bool | None = None,
+    steps: int = 2,
+) -> MemoryEstimate:
+    """Estimate ``rank``'s peak memory for ``job_config`` on ``world_size`` ranks.
+
+    Needs no process group (it makes and removes a fake one). ``fake=None`` follows
+    ``memory_estimation.disable_fake_mode``. Raises ValueError for what it cannot estimate
+    (pipeline parallel) and ParallelismError for impossible layouts.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.comm_mode import _shape_only_init, init_fake_process_group
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models import get_model_spec
+    from torchtitan.tools.device import device_type
+
+    start = time.perf_counter()
+    cfg = copy.deepcopy(job_config)
+    if fake is None:
+        fake = not cfg.memory_estimation.disable_fake_mode
+    if cfg.compile.enable:
+        logger.warning("memory estimation runs without torch.compile (compile.enable ignored)")
+        cfg.compile.enable = False
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if parallel_dims.pp_enabled:
+        raise ValueError(
+            "memory estimation does not support pipeline parallel "
+            "(parallelism.pipeline_parallel_degree > 1)"
+        )
+    if dist.is_initialized():
+        raise RuntimeError("estimate_memory needs a process without a process group")
+    spec = get_model_spec(cfg.model.name)
+    model_args = spec.get_model_args(cfg.model.flavor)
+    tokenizer = None
+    with contextlib.suppress(Exception):
+        tokenizer = spec.build_tokenizer_fn(cfg.model)
+    model_args.update_from_config(cfg, tokenizer=tokenizer)
+    parallel_dims.validate_for_model(
+        n_heads=model_args.n_heads,
+        n_kv_heads=model_args.n_kv_heads or model_args.n_heads,
+        n_layers=model_args.n_layers,
+        seq_len=cfg.training.seq_len,
+    )
+    device = torch.device("cpu") if fake else torch.device(device_type)
+    init_fake_process_group(world_size, rank)
+    try:
+        parallel_dims.build_mesh(device.type)
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        if spec.parallelize_fn is not None:
+            model = spec.parallelize_fn(model, parallel_dims, cfg)
+        tensor_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with tensor_mode, (_shape_only_init() if fake else contextlib.nullcontext()):
+            model.to_empty(device=device)
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+            if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
+                model.to(torch.bfloat16)
+            model.train()
+            optimizers = build_optimizers([model], cfg.optimizer)
+            lr_schedulers = build_lr_schedulers(
+                optimizers, cfg.lr_scheduler, max(cfg.training.steps, steps)
+            )
+            loss_fn = build_cross_entropy_loss()
+            loss_parallel = parallel_dims.loss_parallel_enabled and not (
+                cfg.parallelism.disable_loss_parallel
+            )
+            shape = (cfg.training.local_batch_size, cfg.training.seq_len)
+            tracker = _tracker_for(model, optimizers.optimizers[0])
+            step_peaks = []
+            with _untracked_sharding_propagation(), tracker:
+                for _ in range(steps):
+                    inputs = torch.randint(0, model_args.vocab_size, shape, device=device)
+                    labels = torch.randint(0, model_args.vocab_size, shape, device=device)
+                    if hasattr(tracker, "track_inputs"):
+                        tracker.track_inputs((inputs, labels))
+                    if loss_parallel:
+                        from torch.distributed.tensor.parallel import loss_parallel as lp_ctx
+
+                        ctx = lp_ctx()
+                    else:
+                        ctx = contextlib.nullcontext()
+                    with ctx:
+                        pred = model(inputs)
+                        loss = loss_fn(pred, labels) / labels.numel()
+                        del pred
+                        loss.backward()
+                    dist_utils.clip_grad_norm_(
+                        list(model.parameters()), cfg.training.max_norm, foreach=True
+                    )
+                    optimizers.step()
+                    lr_schedulers.step()
+                    optimizers.zero_grad()
+                    step_peaks.append(_peak_of(tracker.get_tracker_snapshot("peak"))[0])
+                    gc.collect()
+            peak, breakdown = _peak_of(tracker.get_tracker_snapshot("peak"))
+    finally:
+        dist.destroy_process_group()
+    return MemoryEstimate(
+        world_size=world_size,
+        rank=rank,
+        peak_bytes=peak,
+        breakdown=breakdown,
+        step_peak_bytes=step_peaks,
+        parallelism=str(parallel_dims).replace("ParallelDims", "").strip("()"),
+        fake=fake,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def log_memory_estimate(job_config: JobConfig, world_size: int) -> MemoryEstimate | None:
+    """Run :func:`estimate_memory` before training (``memory_estimation.enable``) and log it.
+
+    A failure is logged as a warning; training goes on.
+    """
+    rank = 0
+    with contextlib.suppress(ValueError):
+        import os
+
+        rank = int(os.environ.get("RANK", "0"))
+    try:
+        estimate = estimate_memory(job_config, world_size, rank=rank)
+    except (ValueError, RuntimeError, NotImplementedError) as err:
+        logger.warning(f"memory estimation failed, training goes on: {err}")
+        return None
+    logger.info(estimate.format() + f"\n  (estimated in {estimate.seconds:.1f} s)")
+    return estimate
