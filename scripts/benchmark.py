@@ -5,7 +5,8 @@
 
 Reports tokens/s (per device), TFLOP/s, MFU (null on devices missing from the peak table) and
 peak memory. ``--baseline`` also times a bare PyTorch loop on the same model, batch and
-optimizer (no framework: no dataloader, no metrics, no parallelism wrappers) and reports
+optimizer (no framework: no dataloader, no metrics, no parallelism wrappers), alternating
+framework and bare steps so both see the same machine load, and reports
 framework_step_s / baseline_step_s. Compare like with like: the bare loop has no activation
 checkpointing or compile, so benchmark with ``--activation_checkpoint.mode none``.
 """
@@ -33,8 +34,8 @@ def _time_steps(step_fn, steps: int, warmup: int, sync) -> list[float]:
     return times
 
 
-def bare_loop_step_time(trainer, batches, steps: int, warmup: int, sync) -> float:
-    """Median step time of a plain PyTorch loop on a fresh copy of the trainer's model."""
+def bare_loop_step_fn(trainer, batches):
+    """A step of a plain PyTorch loop on a fresh copy of the trainer's model (no framework)."""
     cfg = trainer.job_config
     model = trainer.model_spec.model_cls(trainer.model_args).to(trainer.device)
     with torch.no_grad():
@@ -57,7 +58,7 @@ def bare_loop_step_time(trainer, batches, steps: int, warmup: int, sync) -> floa
         opt.step()
         loss.item()
 
-    return statistics.median(_time_steps(step, steps, warmup, sync))
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         trainer.step += 1
         trainer.train_step(data_iterator)
 
-    times = _time_steps(framework_step, args.steps, args.warmup, sync)
+    bare_step = None
+    if args.baseline:
+        batches = [tuple(t.to(trainer.device) for t in next(data_iterator)) for _ in range(4)]
+        bare_step = bare_loop_step_fn(trainer, batches)
+    # Alternate framework and bare steps so both see the same machine conditions.
+    times, bare_times = [], []
+    for i in range(args.steps):
+        times += _time_steps(framework_step, 1, 0 if i >= args.warmup else 1, sync)
+        if bare_step is not None:
+            bare_times += _time_steps(bare_step, 1, 0 if i >= args.warmup else 1, sync)
     step_s = statistics.median(times)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.gradient_accumulation_steps
     tps = tokens / step_s
@@ -105,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "memory_kind": mem.kind,
         "timed_steps": len(times),
     }
-    if args.baseline:
-        batches = [tuple(t.to(trainer.device) for t in next(data_iterator)) for _ in range(4)]
-        base = bare_loop_step_time(trainer, batches, args.steps, args.warmup, sync)
+    if bare_step is not None:
+        base = statistics.median(bare_times)
         result["baseline_step_s"] = round(base, 4)
         result["framework_over_baseline"] = round(step_s / base, 4)
     trainer.close()
