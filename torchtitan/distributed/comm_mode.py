@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -236,14 +237,19 @@ def _local_data_parallel(job_config: JobConfig) -> Iterator[None]:
     def local_dp(model, parallel_dims, param_dtype, reduce_dtype, **kwargs):  # noqa: ARG001
         if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
             return model
+        if not parallel_dims.fsdp_enabled and parallel_dims.tp_enabled:
+            raise ValueError(  # same layouts as the real run accepts
+                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
+                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
+                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
+            )
         mp = param_dtype if parallel_dims.fsdp_enabled else None
         return apply_local_data_parallel(model, parallel_dims, mp)
 
     original = fsdp.apply_data_parallel
     fsdp.apply_data_parallel = local_dp
     parallelize_modules = []
-    import sys
-
+    # Model families import the function by name (``from ...fsdp import apply_data_parallel``).
     for name, module in list(sys.modules.items()):
         if name.startswith("torchtitan.models.") and getattr(module, "apply_data_parallel", None) is original:
             module.apply_data_parallel = local_dp
@@ -254,6 +260,49 @@ def _local_data_parallel(job_config: JobConfig) -> Iterator[None]:
         fsdp.apply_data_parallel = original
         for module in parallelize_modules:
             module.apply_data_parallel = original
+
+
+def _as_local_tensor(value: Any, ranks: frozenset[int]) -> Any:
+    """A value computed outside LocalTensor ops (a Python number, a plain tensor, a per-rank
+    SymInt) as a LocalTensor: the same on every simulated rank unless it differs per rank."""
+    from torch.distributed._local_tensor import (
+        LocalIntNode,
+        LocalTensor,
+        maybe_disable_local_tensor_mode,
+    )
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, (LocalTensor, DTensor)):
+        return value
+    with maybe_disable_local_tensor_mode():
+        if isinstance(value, torch.SymInt) and isinstance(value.node, LocalIntNode):
+            ints = value.node._local_ints
+            return LocalTensor({r: torch.tensor(float(ints[r]), dtype=torch.float64) for r in ranks})
+        t = torch.as_tensor(value, dtype=torch.float64).detach()
+        return LocalTensor({r: t.clone() for r in sorted(ranks)})
+
+
+@contextlib.contextmanager
+def _local_scalar_reductions(ranks: frozenset[int]) -> Iterator[None]:
+    """Make ``dist_reduce`` of plain numbers reduce across the simulated ranks.
+
+    Under LocalTensorMode a collective on a plain tensor is a no-op on the fake process group,
+    so e.g. a token count summed over dp would stay one rank's count.
+    """
+    from torchtitan.distributed import utils as dist_utils
+
+    original = dist_utils.dist_reduce
+
+    def dist_reduce(value, op, mesh):
+        if mesh is not None:
+            value = _as_local_tensor(value, ranks)
+        return original(value, op, mesh)
+
+    dist_utils.dist_reduce = dist_reduce
+    try:
+        yield
+    finally:
+        dist_utils.dist_reduce = original
 
 
 class CommMode:
@@ -286,10 +335,14 @@ class CommMode:
         """Refuse what this mode cannot run, naming the parallelism or option."""
         refused = []
         if parallel_dims.pp_enabled:
-            refused.append(
-                "pipeline parallel (parallelism.pipeline_parallel_degree > 1: its shape "
-                "exchange between stages needs real point-to-point communication)"
+            why = (
+                "its stages exchange shapes and activations point to point, which a fake "
+                "process group cannot deliver"
+                if self.fake
+                else "each rank runs a different stage (MPMD), which one SPMD process cannot "
+                "simulate"
             )
+            refused.append(f"pipeline parallel (parallelism.pipeline_parallel_degree > 1: {why})")
         if not self.fake:
             if parallel_dims.cp_enabled:
                 refused.append("context parallel (parallelism.context_parallel_degree > 1)")
@@ -300,7 +353,7 @@ class CommMode:
         if refused:
             raise ParallelismError(
                 f"COMM_MODE={self.mode} cannot run " + "; ".join(refused)
-                + ": set that degree to 1 or run for real with torchrun"
+                + ": turn that off, or run it for real with torchrun"
             )
 
     def adjust_config(self, job_config: JobConfig) -> None:
@@ -329,6 +382,12 @@ class CommMode:
             f"COMM_MODE={self.mode}: one process playing rank {self.rank} of {self.world_size} "
             "on a fake process group"
         )
+        if not self.fake:
+            logger.warning(
+                f"COMM_MODE=local_tensor holds the tensors of all {self.world_size} simulated ranks "
+                f"in this process: expect about {self.world_size}x one rank's memory and time "
+                "(lower training.local_batch_size / seq_len if that is too much)"
+            )
 
     # --- data -----------------------------------------------------------------------------
     def build_tokenizer(self, build: Callable[[Any], Any], model_cfg: Any) -> Any:
@@ -366,7 +425,8 @@ class CommMode:
         if not self.fake:
             from torch.distributed._local_tensor import LocalTensorMode
 
-            self._stack.enter_context(LocalTensorMode(self.world_size))
+            mode = self._stack.enter_context(LocalTensorMode(self.world_size))
+            self._stack.enter_context(_local_scalar_reductions(mode.ranks))
             self._build_stack.enter_context(_local_data_parallel(job_config))
 
     def before_materialize(self) -> None:

@@ -19,10 +19,12 @@ with ``pg_config`` filled in, so torch's analyser reads them directly::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
+import signal
 import sys
 import threading
 import time
@@ -69,9 +71,8 @@ def configure_env(comm: Comm, dump_folder: str, device_type: str) -> None:
     is told to dump to ``{dump_folder}/{save_traces_folder}/{prefix}<rank>`` on a timeout.
     Variables the user already set are left alone.
     """
-    size = str(comm.trace_buf_size)
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", size)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", size)
+    # TORCH_FR_BUFFER_SIZE is the name since torch 2.8 (TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated).
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
     if device_type != "cuda" or comm.trace_buf_size <= 0:
         return
     folder = os.path.join(dump_folder, comm.save_traces_folder)
@@ -261,6 +262,9 @@ class CollectiveWatchdog:
         if not self._handling.acquire(blocking=False):
             return
         self._stop.set()
+        if threading.current_thread() is threading.main_thread():
+            # The launcher may SIGTERM this rank once a peer exits: finish the report first.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         trace = _raw_trace(include_stack_traces=False)
         mine = last_collectives(trace)
         newest = _newest(mine)
@@ -282,6 +286,8 @@ class CollectiveWatchdog:
                f"torch.distributed.flight_recorder.fr_trace {where} -p "
                f"{self.comm.save_traces_file_prefix})" if where else "")
         )
+        with contextlib.suppress(Exception):
+            self._store.set(_STORE_PREFIX + "reported", str(self.rank))
         self._exit(EXIT_CODE)
 
     def _dump_and_publish(self, mine: dict[str, dict[str, Any]] | None = None) -> str | None:
@@ -383,6 +389,15 @@ class CollectiveWatchdog:
                 f"that {what} timed out (step {failed['step']})"
                 + (f"; Flight Recorder trace written to {path}" if path else "")
             )
+            # Let the reporting rank print its diagnosis before the launcher tears the job down.
+            deadline = time.monotonic() + self.peer_wait_seconds + 5
+            while time.monotonic() < deadline:
+                try:
+                    if self._store.check([_STORE_PREFIX + "reported"]):
+                        break
+                except Exception:  # noqa: BLE001
+                    break
+                time.sleep(0.2)
             self._exit(EXIT_CODE)
             return
 

@@ -242,6 +242,7 @@ def estimate_memory(
                     lr_schedulers.step()
                     optimizers.zero_grad()
                     step_peaks.append(_peak_of(tracker.get_tracker_snapshot("peak"))[0])
+                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
                     gc.collect()
             peak, breakdown = _peak_of(tracker.get_tracker_snapshot("peak"))
     finally:

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Predict per-rank peak training memory of a config at one or more world sizes, on any machine.
+
+  python scripts/estimate_memory.py --job.config_file train_configs/llama3_8b.toml --world-size 8
+  python scripts/estimate_memory.py --job.config_file train_configs/llama3_8b.toml --world-size 8 128
+  python scripts/estimate_memory.py --job.config_file train_configs/llama3_70b.toml --world-size 64 \
+      --parallelism.tensor_parallel_degree 8 --activation_checkpoint.mode full
+
+Every flag other than the ones below is a trainer flag (same as ./run_train.sh). The model is
+built and parallelized for real on a fake process group and stepped twice on fake tensors
+(no GPU, no real allocation); see torchtitan/tools/memory_estimation.py for what is counted.
+
+  --world-size N [N ...]   ranks to estimate for (default: WORLD_SIZE or NGPU from the env, else 8)
+  --rank R                 which rank plays (default 0; ranks differ only with uneven shards)
+  --real                   real tensors instead of fake ones (= memory_estimation.disable_fake_mode)
+  --json                   also print one JSON object per estimate (machine-readable)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.config.manager import parse_args_or_exit  # noqa: E402
+from torchtitan.tools.logging import init_logger  # noqa: E402
+from torchtitan.tools.memory_estimation import estimate_memory  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    default_ws = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 8)
+    parser.add_argument("--world-size", "--world_size", type=int, nargs="+", default=[default_ws])
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--real", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.help:
+        print(__doc__)
+        return 0
+    init_logger()
+    job_config = parse_args_or_exit(rest)
+    code = 0
+    for world_size in ours.world_size:
+        try:
+            est = estimate_memory(
+                job_config, world_size, rank=ours.rank, fake=False if ours.real else None
+            )
+        except (ValueError, RuntimeError) as err:
+            print(f"error: world size {world_size}: {err}", file=sys.stderr)
+            code = 2
+            continue
+        print(est.format() + f"\n  (estimated in {est.seconds:.1f} s)", flush=True)
+        if ours.json:
+            print(json.dumps({
+                "config": job_config.job.config_file,
+                "flavor": job_config.model.flavor,
+                "world_size": est.world_size,
+                "rank": est.rank,
+                "parallelism": est.parallelism,
+                "peak_gib": round(est.peak_gib, 3),
+                "breakdown_gib": {k: round(v / 1024**3, 3) for k, v in est.breakdown.items()},
+                "fake": est.fake,
+                "seconds": round(est.seconds, 1),
+            }), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

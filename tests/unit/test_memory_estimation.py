@@ -1,0 +1,97 @@
+"""Memory estimation on a fake process group (torchtitan/tools/memory_estimation.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan.config.manager import ConfigManager
+from torchtitan.models import get_model_spec
+from torchtitan.tools.memory_estimation import estimate_memory, log_memory_estimate
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--job.config_file", str(ROOT / "train_configs/debug_model.toml"), "--model.flavor",
+        "debugmodel_tiny", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--model.hf_assets_path", str(ROOT / "tests/assets/tokenizer")]
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _cfg(*flags: str):
+    return ConfigManager().parse_args([*TINY, *flags])
+
+
+def _shard_bytes(world_size: int) -> int:
+    """FSDP2 pads dim 0 to a multiple of the world size: ceil(d0 / ws) rows per rank, fp32."""
+    from torchtitan.components.tokenizer import build_tokenizer
+
+    cfg = _cfg()
+    spec = get_model_spec("llama3")
+    args = spec.get_model_args("debugmodel_tiny")
+    args.update_from_config(cfg, tokenizer=build_tokenizer(cfg.model))
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    return 4 * sum(
+        math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) for p in model.parameters()
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp_shards_and_adamw_state_add_up(world_size):
+    est = estimate_memory(_cfg(), world_size)
+    assert est.fake and est.world_size == world_size
+    sharded = _shard_bytes(world_size)
+    assert est.breakdown["Sharded Param"] == sharded
+    # AdamW: exp_avg + exp_avg_sq per parameter, plus a 4-byte step per parameter tensor
+    assert 2 * sharded <= est.breakdown["OptState"] <= 2 * sharded + 4 * 64
+    assert est.peak_bytes == sum(est.breakdown.values())
+    assert len(est.step_peak_bytes) == 2 and est.step_peak_bytes[1] >= est.step_peak_bytes[0]
+    assert f"at world size {world_size}" in est.format()
+
+
+def test_more_ranks_less_memory_and_fake_equals_real():
+    small, large = estimate_memory(_cfg(), 2), estimate_memory(_cfg(), 4)
+    assert large.peak_bytes < small.peak_bytes
+    real = estimate_memory(_cfg(), 4, fake=False)
+    assert not real.fake
+    assert real.breakdown == large.breakdown  # fake tensors predict exactly what real ones hold
+
+
+def test_tensor_parallel_and_single_rank():
+    tp = estimate_memory(_cfg("--parallelism.tensor_parallel_degree", "2"), 4)
+    # 2-way TP x 2-way FSDP holds a quarter of the model (padding differs by a few rows)
+    assert abs(tp.breakdown["Sharded Param"] - _shard_bytes(4)) < 1024
+    single = estimate_memory(_cfg(), 1)  # no FSDP: torch's generic MemTracker
+    assert single.breakdown["Parameter"] == _shard_bytes(1)
+
+
+def test_refuses_pipeline_parallel():
+    with pytest.raises(ValueError, match=r"does not support pipeline parallel"):
+        estimate_memory(_cfg("--parallelism.pipeline_parallel_degree", "2"), 4)
+
+
+def test_trainer_hook_logs_and_survives_failure():
+    est = log_memory_estimate(_cfg("--memory_estimation.enable"), 2)
+    assert est is not None and est.peak_bytes > 0
+    bad = _cfg("--parallelism.pipeline_parallel_degree", "2")
+    assert log_memory_estimate(bad, 4) is None  # warns, training would go on
+
+
+@pytest.mark.slow
+def test_script_prints_estimates_for_each_world_size():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/estimate_memory.py"), *TINY, "--world-size", "2",
+         "4", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Estimated peak memory of rank 0 at world size 2" in proc.stdout
+    assert "Estimated peak memory of rank 0 at world size 4" in proc.stdout
+    assert proc.stdout.count('"world_size"') == 2
