@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -229,39 +228,6 @@ def apply_local_data_parallel(
     return model
 
 
-@contextlib.contextmanager
-def _local_data_parallel(job_config: JobConfig) -> Iterator[None]:
-    """Route the parallelize function's FSDP/DDP to :func:`apply_local_data_parallel`."""
-    from torchtitan.distributed import fsdp
-
-    def local_dp(model, parallel_dims, param_dtype, reduce_dtype, **kwargs):  # noqa: ARG001
-        if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
-            return model
-        if not parallel_dims.fsdp_enabled and parallel_dims.tp_enabled:
-            raise ValueError(  # same layouts as the real run accepts
-                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
-                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
-                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
-            )
-        mp = param_dtype if parallel_dims.fsdp_enabled else None
-        return apply_local_data_parallel(model, parallel_dims, mp)
-
-    original = fsdp.apply_data_parallel
-    fsdp.apply_data_parallel = local_dp
-    parallelize_modules = []
-    # Model families import the function by name (``from ...fsdp import apply_data_parallel``).
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan.models.") and getattr(module, "apply_data_parallel", None) is original:
-            module.apply_data_parallel = local_dp
-            parallelize_modules.append(module)
-    try:
-        yield
-    finally:
-        fsdp.apply_data_parallel = original
-        for module in parallelize_modules:
-            module.apply_data_parallel = original
-
-
 def _as_local_tensor(value: Any, ranks: frozenset[int]) -> Any:
     """A value computed outside LocalTensor ops (a Python number, a plain tensor, a per-rank
     SymInt) as a LocalTensor: the same on every simulated rank unless it differs per rank."""
@@ -282,27 +248,19 @@ def _as_local_tensor(value: Any, ranks: frozenset[int]) -> Any:
         return LocalTensor({r: t.clone() for r in sorted(ranks)})
 
 
-@contextlib.contextmanager
-def _local_scalar_reductions(ranks: frozenset[int]) -> Iterator[None]:
-    """Make ``dist_reduce`` of plain numbers reduce across the simulated ranks.
+def active_local_tensor_ranks() -> frozenset[int] | None:
+    """The simulated ranks when LocalTensorMode is active, else None."""
+    from torch.distributed._local_tensor import local_tensor_mode
 
-    Under LocalTensorMode a collective on a plain tensor is a no-op on the fake process group,
-    so e.g. a token count summed over dp would stay one rank's count.
-    """
-    from torchtitan.distributed import utils as dist_utils
+    mode = local_tensor_mode()
+    return None if mode is None else frozenset(mode.ranks)
 
-    original = dist_utils.dist_reduce
 
-    def dist_reduce(value, op, mesh):
-        if mesh is not None:
-            value = _as_local_tensor(value, ranks)
-        return original(value, op, mesh)
-
-    dist_utils.dist_reduce = dist_reduce
-    try:
-        yield
-    finally:
-        dist_utils.dist_reduce = original
+def as_replicated_local_tensor(value: Any) -> Any:
+    """Under LocalTensorMode, a plain number as a LocalTensor (same on every simulated rank), so
+    collectives reduce across the simulated ranks; unchanged otherwise."""
+    ranks = active_local_tensor_ranks()
+    return value if ranks is None else _as_local_tensor(value, ranks)
 
 
 class CommMode:
@@ -418,16 +376,14 @@ class CommMode:
     def begin_model_build(self, job_config: JobConfig) -> None:
         """Before the meta-device model is built: local_tensor enters LocalTensorMode.
 
-        The mode stays on until :meth:`close` (training steps run under it too), and while the
-        model is parallelized, data parallelism is routed to :func:`apply_local_data_parallel`.
+        The mode stays on until :meth:`close` (training steps run under it too); while it is on,
+        ``apply_data_parallel`` uses :func:`apply_local_data_parallel` instead of FSDP/DDP.
         """
         self._build_stack = contextlib.ExitStack()
         if not self.fake:
             from torch.distributed._local_tensor import LocalTensorMode
 
-            mode = self._stack.enter_context(LocalTensorMode(self.world_size))
-            self._stack.enter_context(_local_scalar_reductions(mode.ranks))
-            self._build_stack.enter_context(_local_data_parallel(job_config))
+            self._stack.enter_context(LocalTensorMode(self.world_size))
 
     def before_materialize(self) -> None:
         """Before ``to_empty``: fake_backend materializes and initialises as fake tensors."""

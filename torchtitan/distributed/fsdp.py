@@ -199,7 +199,28 @@ def apply_data_parallel(
     enable_compile: bool = False,
     enable_compiled_autograd: bool = False,
 ) -> nn.Module:
-    """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1, else nothing."""
+    """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1, else nothing.
+
+    Under COMM_MODE=local_tensor (LocalTensorMode, where ``fully_shard`` cannot run) the same
+    layouts use gather-on-use DTensor parameters instead.
+    """
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        if parallel_dims.tp_enabled:
+            raise ValueError(
+                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
+                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
+                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
+            )
+    from torchtitan.distributed.comm_mode import (
+        active_local_tensor_ranks,
+        apply_local_data_parallel,
+    )
+
+    if active_local_tensor_ranks() is not None:
+        if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
+            return model
+        mp_dtype = param_dtype if parallel_dims.fsdp_enabled else None
+        return apply_local_data_parallel(model, parallel_dims, mp_dtype)
     fsdp_mesh = get_fsdp_mesh(parallel_dims)
     if fsdp_mesh is not None:
         return apply_fsdp(
@@ -212,12 +233,6 @@ def apply_data_parallel(
             reshard_after_forward_policy=reshard_after_forward_policy,
         )
     if parallel_dims.dp_replicate_enabled:
-        if parallel_dims.tp_enabled:
-            raise ValueError(
-                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
-                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
-                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
-            )
         if cpu_offload:
             raise ValueError(
                 "training.enable_cpu_offload needs FSDP (parallelism.data_parallel_shard_degree "

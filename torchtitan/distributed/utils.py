@@ -31,7 +31,6 @@ def init_distributed(comm: Comm, device_type: str) -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(comm.trace_buf_size))
     backend = backend_for(device_type)
     if device_type == "cuda":
         backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side work such as async checkpoint staging
@@ -42,7 +41,7 @@ def init_distributed(comm: Comm, device_type: str) -> None:
 
 def set_pg_timeouts(timeout_seconds: int, world_mesh: DeviceMesh | None) -> None:
     """Shorten collective timeouts after the first step (first-step compiles can be slow)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     timeout = datetime.timedelta(seconds=timeout_seconds)
     # A barrier first so no rank changes its timeout while another is still in a collective.
@@ -107,7 +106,8 @@ def set_determinism(
                 stride *= world_mesh.size(world_mesh.mesh_dim_names.index(name))
     rank_seed = (seed + offset) % 2**63
     torch.manual_seed(rank_seed)
-    if world_mesh is not None:
+    if world_mesh is not None and world_mesh.device_type != "cpu":
+        # DTensor's RNG tracker only matters for random ops on sharded tensors on accelerators.
         from torch.distributed.tensor._random import manual_seed as dtensor_manual_seed
 
         spmd_names = [n for n in world_mesh.mesh_dim_names if n not in distinct_seed_mesh_dims]
@@ -118,9 +118,12 @@ def set_determinism(
 
 def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
     """Reduce a scalar across ``mesh`` (sum / mean / max); identity without a mesh."""
-    t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if mesh is None:
-        return float(t)
+        return float(torch.as_tensor(value, dtype=torch.float64))
+    from torchtitan.distributed.comm_mode import as_replicated_local_tensor
+
+    value = as_replicated_local_tensor(value)  # COMM_MODE=local_tensor: reduce simulated ranks
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if isinstance(value, DTensor):
         t = value.full_tensor().double()
     device = "cuda" if mesh.device_type == "cuda" else "cpu"
