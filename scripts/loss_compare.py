@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
+STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
 
 
 def parse_losses(log: str) -> dict[int, float]:
