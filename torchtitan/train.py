@@ -65,6 +65,7 @@ class Trainer(Stateful):
         elif world_size > 1:
             flight_recorder.configure_env(cfg.comm, cfg.job.dump_folder, device_type)
             dist_utils.init_distributed(cfg.comm, device_type)
+        _reject_planned_features(cfg, parallel_dims)
         self.world_mesh = parallel_dims.build_mesh(device_type)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._log_config()
@@ -431,6 +432,28 @@ class Trainer(Stateful):
             torch.set_rng_state(state_dict["cpu_rng_state"])
         if device_type == "cuda" and "cuda_rng_state" in state_dict:
             torch.cuda.set_rng_state(state_dict["cuda_rng_state"])
+
+
+def _reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Fail before any work on settings whose feature is planned but not built yet.
+
+    Running with them silently ignored would train something other than what was asked for.
+    """
+    if parallel_dims.cp_enabled:
+        raise ParallelismError(
+            f"parallelism.context_parallel_degree={parallel_dims.cp}: context parallelism is "
+            "planned but not implemented yet; set it to 1"
+        )
+    if parallel_dims.ep_enabled or parallel_dims.etp > 1:
+        raise ParallelismError(
+            "parallelism.expert_parallel_degree / expert_tensor_parallel_degree > 1 need an MoE "
+            f"model; {cfg.model.name} has no experts (MoE support is planned)"
+        )
+    if cfg.model.converters:
+        raise ValueError(
+            f"model.converters={cfg.model.converters}: model converters (float8, mx) are planned "
+            "but not implemented yet; remove them (e.g. --model.converters '')"
+        )
 
 
 _USER_ERRORS = (FileNotFoundError, ParallelismError, ValueError)

@@ -95,3 +95,23 @@ def test_tensorboard_from_trainer(tmp_path):
     acc.Reload()
     assert {"loss", "lr", "grad_norm", "tps"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "kw,flags,needle",
+    [
+        (dict(context_parallel_degree=2), [], "context parallelism is planned"),
+        (dict(expert_parallel_degree=2), [], "need an MoE model"),
+        ({}, ["--model.converters", "float8"], "model converters .* are planned"),
+    ],
+)
+def test_planned_features_fail_clearly(kw, flags, needle):
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.train import _reject_planned_features
+
+    cfg = ConfigManager().parse_args(flags)
+    dims = ParallelDims.from_config(Parallelism(**kw), 2)
+    with pytest.raises(ValueError, match=needle):
+        _reject_planned_features(cfg, dims)
