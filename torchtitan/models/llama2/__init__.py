@@ -6,10 +6,8 @@ multi-head attention except for 70B (grouped-query, 8 key/value heads).
 
 from __future__ import annotations
 
-from torchtitan.models.llama3 import common_builders
+from torchtitan.models.llama3 import llama_model_spec
 from torchtitan.models.llama3.args import TransformerModelArgs
-from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.spec import ModelSpec, lazy
 
 __all__ = ["llama2_args"]
 
@@ -62,20 +60,7 @@ llama2_args: dict[str, TransformerModelArgs] = {
 def _register() -> None:
     from torchtitan.models import register_model_spec
 
-    register_model_spec(
-        ModelSpec(
-            name="llama2",
-            model_cls=Transformer,
-            model_args=llama2_args,
-            parallelize_fn=lazy("torchtitan.models.llama3.parallelize:parallelize_llama"),
-            pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
-            state_dict_adapter=lazy(
-                "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
-            ),
-            build_optimizers_fn=None,
-            **common_builders(),
-        )
-    )
+    register_model_spec(llama_model_spec("llama2", llama2_args))
 
 
 _register()

@@ -7,15 +7,25 @@ from torchtitan.models.llama3.args import TransformerModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.spec import ModelSpec, lazy
 
-__all__ = ["Transformer", "TransformerModelArgs", "llama3_args", "common_builders"]
+__all__ = ["Transformer", "TransformerModelArgs", "llama3_args", "llama_model_spec"]
 
 
-def common_builders() -> dict:
-    """Lazily-resolved builders shared by the Llama families (imported on first call)."""
-    return dict(
+def llama_model_spec(name: str, flavors: dict[str, TransformerModelArgs]) -> ModelSpec:
+    """The spec of a Llama-architecture family: the shared model class, hooks and builders
+    (all resolved lazily, on first use) with the family's own flavors."""
+    return ModelSpec(
+        name=name,
+        model_cls=Transformer,
+        model_args=flavors,
+        parallelize_fn=lazy("torchtitan.models.llama3.parallelize:parallelize_llama"),
+        pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
         build_tokenizer_fn=lazy("torchtitan.components.tokenizer:build_tokenizer"),
         build_dataloader_fn=lazy("torchtitan.datasets.hf_datasets:build_text_dataloader"),
         build_loss_fn=lazy("torchtitan.components.loss:build_cross_entropy_loss"),
+        state_dict_adapter=lazy(
+            "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
+        ),
+        build_optimizers_fn=None,
     )
 
 
@@ -110,20 +120,7 @@ llama3_args: dict[str, TransformerModelArgs] = {
 def _register() -> None:
     from torchtitan.models import register_model_spec
 
-    register_model_spec(
-        ModelSpec(
-            name="llama3",
-            model_cls=Transformer,
-            model_args=llama3_args,
-            parallelize_fn=lazy("torchtitan.models.llama3.parallelize:parallelize_llama"),
-            pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
-            state_dict_adapter=lazy(
-                "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
-            ),
-            build_optimizers_fn=None,
-            **common_builders(),
-        )
-    )
+    register_model_spec(llama_model_spec("llama3", llama3_args))
 
 
 _register()
