@@ -115,3 +115,24 @@ def test_planned_features_fail_clearly(kw, flags, needle):
     dims = ParallelDims.from_config(Parallelism(**kw), 2)
     with pytest.raises(ValueError, match=needle):
         _reject_planned_features(cfg, dims)
+
+
+def test_bfloat16_training_dtype(tmp_path):
+    trainer = run_tiny(tmp_path, "--training.dtype", "bfloat16", "--training.steps", "6",
+                       "--optimizer.lr", "5e-3", "--lr_scheduler.warmup_steps", "1")
+    params = list(trainer.model_parts[0].parameters())
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert trainer.model_parts[0].freqs_cis.is_complex()  # RoPE table survives the cast
+    losses = [loss for loss, _ in trainer.history]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_save_config_file_written_and_round_trips(tmp_path):
+    from torchtitan.config.manager import ConfigManager
+
+    trainer = run_tiny(tmp_path, "--job.save_config_file", "resolved.toml", "--training.steps", "1")
+    saved = tmp_path / "resolved.toml"
+    assert saved.is_file()
+    again = ConfigManager().parse_args(["--job.config_file", str(saved)])
+    again.job.config_file = trainer.job_config.job.config_file
+    assert again == trainer.job_config
