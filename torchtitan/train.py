@@ -390,7 +390,7 @@ class Trainer(Stateful):
                     memory_profiler.step()
                 if stop:
                     logger.warning(f"Stopping after step {self.step} on SIGTERM (checkpoint written)")
-                    break
+                    return
         logger.info("Training completed")
 
     def _install_preemption_handler(self) -> None:
