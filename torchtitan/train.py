@@ -132,44 +132,7 @@ class Trainer(Stateful):
 
         compile_loss = cfg.compile.enable and "loss" in cfg.compile.components
         self.loss_fn = build_cross_entropy_loss(compile_loss, cfg.compile.backend)
-        self.pp_schedule = None  # pipeline parallel: schedule + which end stages this rank holds
-        self.pp_has_first_stage = self.pp_has_last_stage = True
-        if parallel_dims.pp_enabled:
-            from torchtitan.distributed.pipeline_parallel import ScaledLoss
-
-            if spec.pipelining_fn is None:
-                raise ParallelismError(
-                    f"model {cfg.model.name} has no pipeline support; set "
-                    "parallelism.pipeline_parallel_degree=1"
-                )
-            # Called per microbatch on the last stage; train_step sets its scale to the non-PP
-            # normalisation. Parts come back parallelized but still on meta (init below; the
-            # per-stage seed from set_determinism makes stages initialise differently).
-            self.pp_loss_fn = ScaledLoss(self.loss_fn)
-            (
-                self.pp_schedule,
-                model_parts,
-                self.pp_has_first_stage,
-                self.pp_has_last_stage,
-            ) = spec.pipelining_fn(
-                model, parallel_dims, cfg, self.device, model_args, spec.parallelize_fn,
-                self.pp_loss_fn,
-            )
-            del model
-        else:
-            if spec.parallelize_fn is not None:
-                model = spec.parallelize_fn(model, parallel_dims, cfg)
-            model_parts = [model]
-        if self.comm is not None:  # fake_backend: materialize as fake tensors
-            self.comm.before_materialize()
-        for model in model_parts:
-            model.to_empty(device=self.device)
-            with torch.no_grad(), (self.comm.init_weights_context() if self.comm else contextlib.nullcontext()):
-                model.init_weights(buffer_device=None)
-            if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
-                model.to(torch.bfloat16)
-            model.train()
-        self.model_parts = model_parts
+        self.model_parts = self._build_model_parts(model)
 
         self.loss_parallel = parallel_dims.loss_parallel_enabled and not (
             cfg.parallelism.disable_loss_parallel
@@ -214,6 +177,50 @@ class Trainer(Stateful):
         )
 
     # --- setup helpers -------------------------------------------------------------------
+    def _build_model_parts(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Parallelize the meta-device ``model`` (or split it into pipeline stages), then
+        materialise and initialise every part on this rank's device."""
+        cfg, spec, parallel_dims = self.job_config, self.model_spec, self.parallel_dims
+        model_args = self.model_args
+        self.pp_schedule = None  # pipeline parallel: schedule + which end stages this rank holds
+        self.pp_has_first_stage = self.pp_has_last_stage = True
+        if parallel_dims.pp_enabled:
+            from torchtitan.distributed.pipeline_parallel import ScaledLoss
+
+            if spec.pipelining_fn is None:
+                raise ParallelismError(
+                    f"model {cfg.model.name} has no pipeline support; set "
+                    "parallelism.pipeline_parallel_degree=1"
+                )
+            # Called per microbatch on the last stage; train_step sets its scale to the non-PP
+            # normalisation. Parts come back parallelized but still on meta (init below; the
+            # per-stage seed from set_determinism makes stages initialise differently).
+            self.pp_loss_fn = ScaledLoss(self.loss_fn)
+            (
+                self.pp_schedule,
+                model_parts,
+                self.pp_has_first_stage,
+                self.pp_has_last_stage,
+            ) = spec.pipelining_fn(
+                model, parallel_dims, cfg, self.device, model_args, spec.parallelize_fn,
+                self.pp_loss_fn,
+            )
+            del model
+        else:
+            if spec.parallelize_fn is not None:
+                model = spec.parallelize_fn(model, parallel_dims, cfg)
+            model_parts = [model]
+        if self.comm is not None:  # fake_backend: materialize as fake tensors
+            self.comm.before_materialize()
+        for model in model_parts:
+            model.to_empty(device=self.device)
+            with torch.no_grad(), (self.comm.init_weights_context() if self.comm else contextlib.nullcontext()):
+                model.init_weights(buffer_device=None)
+            if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
+                model.to(torch.bfloat16)
+            model.train()
+        return model_parts
+
     def _log_config(self) -> None:
         cfg = self.job_config
         if self.rank != 0:
