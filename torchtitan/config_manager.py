@@ -8,9 +8,11 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import (
     ConfigError,
     ConfigManager,
+    config_save_path,
     config_to_toml,
     main,
     parse_args_or_exit,
+    reject_planned_settings,
     save_config,
 )
 
@@ -18,9 +20,11 @@ __all__ = [
     "ConfigError",
     "ConfigManager",
     "JobConfig",
+    "config_save_path",
     "config_to_toml",
     "main",
     "parse_args_or_exit",
+    "reject_planned_settings",
     "save_config",
 ]
 

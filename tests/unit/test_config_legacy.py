@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import ConfigError, ConfigManager, JobConfig, legacy
-from torchtitan.config.manager import _fields, _get, _parse_cli
+from torchtitan.config.cli import parse_flags
+from torchtitan.config.fields import get_field, leaf_fields
 
-FIELDS = _fields(JobConfig)
+FIELDS = leaf_fields(JobConfig)
 SPECIAL_VALUES = {"job.custom_config_module": "tests.assets.custom_job_config"}
 
 
@@ -44,7 +45,7 @@ def sample(key: str):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, type(int | None)) and len(args) == 1:
         tp = args[0]
-    default = _get(JobConfig(), key)
+    default = get_field(JobConfig(), key)
     if tp is bool:
         return not default
     if tp is int:
@@ -95,7 +96,7 @@ def test_renamed_key_in_toml(tmp_path, caplog, rule):
     path = write(tmp_path, toml_doc(rule.old, value))
     with caplog.at_level(logging.WARNING):
         cfg = parse("--job.config_file", path)
-    assert _get(cfg, rule.new) == value
+    assert get_field(cfg, rule.new) == value
     lines = [m for m in warnings_text(caplog) if rule.old in m]
     assert len(lines) == 1 and rule.new in lines[0] and "\n" not in lines[0]
 
@@ -120,7 +121,7 @@ def test_renamed_flags_on_cli(caplog, group):
         cfg = parse(*tokens)
     messages = warnings_text(caplog)
     for rule in group:
-        assert _get(cfg, rule.new) == sample(rule.new), rule.old
+        assert get_field(cfg, rule.new) == sample(rule.new), rule.old
         assert any(f"--{rule.old}" in m and f"--{rule.new}" in m for m in messages), rule.old
 
 
@@ -171,9 +172,9 @@ def _without_file(cfg):
 @pytest.mark.parametrize("value", [True, False])
 def test_inverted_keys(tmp_path, caplog, old, new, value):
     cfg = parse("--job.config_file", write(tmp_path, toml_doc(old, value)))
-    assert _get(cfg, new) is (not value)
+    assert get_field(cfg, new) is (not value)
     cfg = parse(*cli_tokens(old, value))
-    assert _get(cfg, new) is (not value)
+    assert get_field(cfg, new) is (not value)
     assert any("opposite" in m for m in warnings_text(caplog))
 
 
@@ -293,8 +294,8 @@ def test_table_lists_every_rule():
     assert ("checkpoint.interval_type", "(dropped)") in [(a, b) for a, b, _ in rows]
 
 
-# The CLI argument table of an old torchtitan README (seed 004), fed in row by row.
-SEED_004_FLAGS = [
+# The CLI argument table of a 2024-era torchtitan README, fed in row by row.
+README_2024_FLAGS = [
     ("--job.config_file", "str"),
     ("--job.dump_folder", "str"),
     ("--job.description", "str"),
@@ -341,20 +342,20 @@ SAMPLE_BY_TYPE = {"str": "AdamW", "int": "2", "float": "0.001", "Union[float, in
 
 
 @pytest.mark.parametrize(
-    ("flag", "kind"), SEED_004_FLAGS[1:], ids=[f for f, _ in SEED_004_FLAGS[1:]]
+    ("flag", "kind"), README_2024_FLAGS[1:], ids=[f for f, _ in README_2024_FLAGS[1:]]
 )
-def test_seed_004_flag_table_each_flag_is_accepted(flag, kind):
-    """Each row on its own passes flag validation (fast: stops before tyro)."""
+def test_2024_readme_flag_table_each_flag_is_accepted(flag, kind):
+    """Each row on its own passes flag validation."""
     tokens = [flag] if kind in ("store_true", "bool") else [flag, SAMPLE_BY_TYPE[kind]]
-    ops = _parse_cli(tokens, FIELDS)
+    ops = parse_flags(tokens, FIELDS)
     dropped = flag in ("--model.norm_type", "--checkpoint.interval_type")
     assert (ops == []) is dropped
     assert all(key in FIELDS for _, key, _ in ops)
 
 
-def test_seed_004_flags_all_together(tmp_path):
+def test_2024_readme_flags_all_together(tmp_path):
     tokens = []
-    for flag, kind in SEED_004_FLAGS[1:]:
+    for flag, kind in README_2024_FLAGS[1:]:
         tokens += [flag] if kind in ("store_true", "bool") else [flag, SAMPLE_BY_TYPE[kind]]
     cfg = parse("--job.config_file", write(tmp_path, "[training]\nsteps = 5\n"), *tokens)
     assert cfg.training.local_batch_size == 2 and cfg.lr_scheduler.warmup_steps == 2

@@ -484,6 +484,7 @@ def _docstring(cls_name: str, field: str) -> str:
     raise AssertionError(f"{cls_name}.{field} has no docstring")
 
 
+@pytest.mark.slow
 def test_help_lists_flags_types_defaults_and_docstrings_fast():
     env = dict(os.environ, COLUMNS="250")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -517,6 +518,7 @@ def test_help_lists_flags_types_defaults_and_docstrings_fast():
         assert f"--{section.name}." in out
 
 
+@pytest.mark.slow
 def test_config_manager_module_alias_accepts_module_and_config():
     if not (REPO / "train_configs" / "debug_model.toml").is_file():
         pytest.skip("train_configs/debug_model.toml not written yet")

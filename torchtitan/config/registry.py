@@ -16,9 +16,9 @@ import re
 import sys
 from pathlib import Path
 
-import torchtitan
+from torchtitan.config.errors import ConfigError
 
-CONFIG_DIR = Path(torchtitan.__file__).resolve().parent.parent / "train_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 """The repository's ``train_configs/`` folder."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -33,8 +33,6 @@ def register_config(module: str, config: str, path: str | Path) -> None:
 
 
 def _check_name(kind: str, name: str) -> None:
-    from torchtitan.config.manager import ConfigError
-
     if not _NAME.match(name) or ".." in name:
         raise ConfigError(f"invalid {kind} name {name!r}: use a plain name such as llama3_8b")
 
@@ -72,8 +70,6 @@ def available_configs(module: str | None = None, config_dir: Path | None = None)
 
 def resolve_config(module: str | None, config: str, config_dir: Path | None = None) -> Path:
     """Like :func:`config_path`, but raise ConfigError when the file does not exist."""
-    from torchtitan.config.manager import ConfigError
-
     path = config_path(module, config, config_dir)
     if not path.is_file():
         names = ", ".join(available_configs(module, config_dir)) or "none found"
@@ -86,8 +82,6 @@ def resolve_config(module: str | None, config: str, config_dir: Path | None = No
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m torchtitan.config.registry MODULE CONFIG``: print the config's path."""
-    from torchtitan.config.manager import ConfigError
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] in ("-h", "--help"):
         print("usage: python -m torchtitan.config.registry MODULE CONFIG", file=sys.stderr)

@@ -1,0 +1,138 @@
+"""Checks on what the config alone can tell: value ranges and simple cross-field rules.
+
+Every rule names a field by dotted key; :func:`unknown_rule_keys` checks them against the
+JobConfig schema and this module refuses to import when one names no field, so a typo in a
+rule fails loudly instead of silently checking nothing. (Custom config classes extend
+JobConfig, so rules about its fields hold for them too.)
+
+Checks that need the world size (degrees multiplying up to it, batch divisibility)
+happen where the device mesh is built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.fields import get_field, leaf_fields
+from torchtitan.config.job_config import JobConfig
+
+__all__ = ["CHECKS", "unknown_rule_keys", "validate"]
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _ge(n: float) -> Check:
+    return (lambda v: v >= n), f"must be >= {n}"
+
+
+def _gt(n: float) -> Check:
+    return (lambda v: v > n), f"must be > {n}"
+
+
+def _unit(lo_open: bool = False, hi_open: bool = False) -> Check:
+    def ok(v: float) -> bool:
+        return (0 < v if lo_open else 0 <= v) and (v < 1 if hi_open else v <= 1)
+
+    return ok, f"must be in {'(' if lo_open else '['}0, 1{')' if hi_open else ']'}"
+
+
+def _opt(check: Check) -> Check:
+    fn, msg = check
+    return (lambda v: v is None or fn(v)), msg + " (or None)"
+
+
+def _or_minus_one(check: Check) -> Check:
+    fn, msg = check
+    return (lambda v: v == -1 or fn(v)), msg + " or -1"
+
+
+CHECKS: dict[str, Check] = {
+    "parallelism.data_parallel_replicate_degree": _ge(1),
+    "parallelism.data_parallel_shard_degree": (
+        lambda v: v == -1 or v >= 1,
+        "must be >= 1, or -1 to use the ranks left over by the other degrees",
+    ),
+    "parallelism.tensor_parallel_degree": _ge(1),
+    "parallelism.pipeline_parallel_degree": _ge(1),
+    "parallelism.context_parallel_degree": _ge(1),
+    "parallelism.expert_parallel_degree": _ge(1),
+    "parallelism.expert_tensor_parallel_degree": _ge(1),
+    "parallelism.pipeline_parallel_microbatch_size": _ge(1),
+    "parallelism.pipeline_parallel_first_stage_less_layers": _ge(0),
+    "parallelism.pipeline_parallel_last_stage_less_layers": _ge(0),
+    "parallelism.pipeline_parallel_layers_per_stage": _opt(_ge(1)),
+    "training.steps": _gt(0),
+    "training.local_batch_size": _gt(0),
+    "training.global_batch_size": _or_minus_one(_gt(0)),
+    "training.seq_len": _gt(0),
+    "training.gc_freq": _gt(0),
+    "training.dataloader.num_workers": _ge(0),
+    "training.dataloader.prefetch_factor": _opt(_gt(0)),
+    "optimizer.lr": _ge(0),
+    "optimizer.eps": _ge(0),
+    "optimizer.weight_decay": _ge(0),
+    "optimizer.beta1": _unit(hi_open=True),
+    "optimizer.beta2": _unit(hi_open=True),
+    "lr_scheduler.warmup_steps": _ge(0),
+    "lr_scheduler.decay_ratio": _opt(_unit()),
+    "lr_scheduler.min_lr_factor": _unit(),
+    "checkpoint.interval": _gt(0),
+    "checkpoint.keep_latest_k": _ge(0),
+    "checkpoint.load_step": _ge(-1),
+    "metrics.log_freq": _gt(0),
+    "profiling.profile_freq": _gt(0),
+    "profiling.profiler_active": _gt(0),
+    "profiling.profiler_warmup": _ge(0),
+    "comm.init_timeout_seconds": _gt(0),
+    "comm.train_timeout_seconds": _gt(0),
+    "comm.trace_buf_size": _ge(0),
+    "activation_checkpoint.memory_budget": _unit(),
+    "validation.local_batch_size": _gt(0),
+    "validation.seq_len": _gt(0),
+    "validation.freq": _gt(0),
+    "validation.steps": _or_minus_one(_gt(0)),
+    "fault_tolerance.replica_id": _ge(0),
+    "fault_tolerance.group_size": _ge(0),
+    "fault_tolerance.min_replica_size": _ge(1),
+    "fault_tolerance.process_group_timeout_ms": _gt(0),
+}
+"""Range rules: dotted key -> (predicate on the value, what the value must be)."""
+
+
+def unknown_rule_keys(keys: Iterable[str], cls: type = JobConfig) -> list[str]:
+    """The keys that name no leaf field of ``cls`` (a rule about them would check nothing)."""
+    known = leaf_fields(cls)
+    return [k for k in keys if k not in known]
+
+
+def validate(cfg: Any) -> None:
+    """Check what the config alone can tell (ranges, formats); raise ConfigError."""
+    for key, (ok, msg) in CHECKS.items():
+        value = get_field(cfg, key)  # every key is a JobConfig field (checked at import)
+        bad = isinstance(value, float) and math.isnan(value)
+        if bad or not ok(value):
+            raise ConfigError(f"{key} {msg}, got {value!r}")
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) > 0):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer "
+            f"(checkpoint every Nth block), got {option!r}"
+        )
+    dl = cfg.training.dataloader
+    if dl.num_workers == 0:
+        for name in ("persistent_workers", "prefetch_factor"):
+            if getattr(dl, name) not in (None, False):
+                raise ConfigError(
+                    f"training.dataloader.{name} needs training.dataloader.num_workers > 0"
+                )
+
+
+_UNKNOWN = unknown_rule_keys(CHECKS)
+if _UNKNOWN:
+    raise RuntimeError(
+        f"torchtitan/config/validation.py: CHECKS names fields JobConfig does not have: "
+        f"{_UNKNOWN}; fix the rule or the field name"
+    )
