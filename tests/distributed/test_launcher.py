@@ -32,6 +32,7 @@ def test_failure_propagation():
     assert time.monotonic() - start < 30  # the blocked rank is killed, not waited for
 
 
+@pytest.mark.slow
 def test_wall_timeout_kills_ranks():
     with pytest.raises(LaunchError, match="timed out after 0 s"):
         launch(_rank_sum, 2, 1, timeout_s=0.3)

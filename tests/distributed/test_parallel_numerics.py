@@ -29,6 +29,11 @@ from tests.distributed.harness import (
 )
 from tests.distributed.launcher import launch
 
+pytestmark = [
+    pytest.mark.slow,  # every test reads results of 2- or 4-rank gloo launches
+    pytest.mark.usefixtures("one_thread"),  # the reference, as the workers (OMP_NUM_THREADS=1)
+]
+
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 PARAM_ATOL = 1e-4
 
@@ -76,14 +81,6 @@ LAYOUTS_4 = [
         },
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers use OMP_NUM_THREADS=1 too (2 shared cores)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +134,11 @@ def _check(layout: Layout, runs: list[RunResult], reference: dict[bool, RunResul
         )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS_2, ids=lambda x: x.name)
 def test_two_ranks_match_single_device(layout, results_2, reference):
     _check(layout, results_2[layout.name], reference)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda x: x.name)
 def test_four_ranks_match_single_device(layout, results_4, reference):
     _check(layout, results_4[layout.name], reference)

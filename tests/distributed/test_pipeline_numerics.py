@@ -35,6 +35,8 @@ from torchtitan.distributed.pipeline_parallel import ScaledLoss, pipeline_step
 from torchtitan.distributed.tensor_parallel import maybe_loss_parallel
 from torchtitan.models.llama3.model import Transformer
 
+pytestmark = pytest.mark.slow  # every test reads results of 2-, 4- or 8-rank gloo launches
+
 N_LAYERS = 4
 STEPS = 4
 LR = 1e-2
@@ -397,7 +399,6 @@ EIGHT_RANK_CASES = [
 ]
 
 
-@pytest.mark.slow
 def test_pp2_with_dp_and_tp_on_8_ranks_matches_single_device(reference):
     results = _by_case(launch(run_cases, 8, EIGHT_RANK_CASES, timeout_s=300))
     for case in EIGHT_RANK_CASES:

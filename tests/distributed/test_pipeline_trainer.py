@@ -16,6 +16,8 @@ import torch
 
 from tests.distributed.launcher import launch
 
+pytestmark = pytest.mark.slow  # the module fixtures launch gloo ranks (seed run, reference, PP)
+
 TOL = dict(rtol=1e-5, atol=1e-5)
 STEPS = 4
 

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT as REPO
+
+pytestmark = pytest.mark.slow  # every test runs the shell scripts (and torchrun) in subprocesses
+
 STUBS = REPO / "tests" / "integration" / "stubs"
 PROBE = "tests.integration.assets.dist_probe"
 PROBE_PY = "tests/integration/assets/dist_probe.py"

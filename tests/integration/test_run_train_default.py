@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # real training runs in subprocesses (about 75 s on 2 cores)
 
 
-def test_default_run_trains_debug_model(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "MODULE", "CONFIG", "NGPU")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
+def test_default_run_trains_debug_model(dump_folder, cpu_env):
     proc = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--metrics.disable_color_printing"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        ["./run_train.sh", "--job.dump_folder", str(dump_folder), "--metrics.disable_color_printing"],
+        cwd=REPO_ROOT, env=cpu_env, capture_output=True, text=True, timeout=900,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -25,15 +25,18 @@ def test_default_run_trains_debug_model(tmp_path):
     assert "Training completed" in out
 
 
-def test_legacy_torchrun_train_py_command(tmp_path):
-    """Seed 003's launcher line: torchrun ... train.py --job.config_file $CONFIG_FILE $overrides."""
+def test_legacy_torchrun_train_py_command(dump_folder, cpu_env):
+    """The 2024 run_llama_train.sh launcher line: torchrun ... train.py --job.config_file X."""
     cmd = (
         "torchrun --nproc_per_node=1 --rdzv_backend c10d --rdzv_endpoint=localhost:0 "
         "--local-ranks-filter 0 --role rank --tee 3 train.py "
         "--job.config_file ./train_configs/debug_model.toml --model.flavor debugmodel_tiny "
-        f"--training.seq_len 64 --training.steps 2 --job.dump_folder {tmp_path}"
+        f"--training.seq_len 64 --training.steps 2 --job.dump_folder {dump_folder}"
     )
-    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "-c", cmd], cwd=REPO_ROOT, env=cpu_env, capture_output=True, text=True,
+        timeout=300,
+    )
     out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # colours are on by default
     assert proc.returncode == 0, out[-3000:]
     assert len(re.findall(r"step:\s*\d+\s+loss:", out)) == 2

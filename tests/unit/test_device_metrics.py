@@ -1,5 +1,7 @@
 import re
 
+import pytest
+
 from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.device import lookup_peak_tflops
 
@@ -13,13 +15,13 @@ def test_peak_flops_table():
     assert lookup_peak_tflops("Some Future GPU", "float32") is None
 
 
-def test_console_line_shape(caplog, tmp_path):
+def test_console_line_shape(caplog, dump_folder):
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
+    cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.disable_color_printing = True
     mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
     mp.num_flops_per_token = 1e6
@@ -40,20 +42,20 @@ def test_console_line_shape(caplog, tmp_path):
     assert metrics["tps"] > 0 and "mfu" not in metrics
 
 
-def test_tensorboard_writes_events(tmp_path):
+def test_tensorboard_writes_events(dump_folder):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from torchtitan.components.metrics import MetricsProcessor
 
     cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
+    cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.enable_tensorboard = True
     mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
     for step in (1, 2):
         mp.ntokens_since_last_log = 100
         mp.log(step, 5.0 - step, 1.0, 1e-3)
     mp.close()
-    event_dirs = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    event_dirs = {p.parent for p in dump_folder.rglob("events.out.tfevents.*")}
     assert len(event_dirs) == 1
     acc = EventAccumulator(str(event_dirs.pop()))
     acc.Reload()
@@ -62,21 +64,20 @@ def test_tensorboard_writes_events(tmp_path):
     assert [e.value for e in acc.Scalars("loss")] == [4.0, 3.0]
 
 
-def test_wandb_offline(tmp_path, monkeypatch):
-    import pytest
-
+@pytest.mark.slow  # wandb starts its wandb-core service process (about 2 s)
+def test_wandb_offline(dump_folder, monkeypatch):
     pytest.importorskip("wandb")
     from torchtitan.components.metrics import MetricsProcessor
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = JobConfig()
-    cfg.job.dump_folder = str(tmp_path)
+    cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.enable_wandb = True
     mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
     mp.ntokens_since_last_log = 10
     mp.log(1, 3.0, 1.0, 1e-3)
     mp.close()
-    runs = list((tmp_path / "wandb").rglob("offline-run-*"))
+    runs = list((dump_folder / "wandb").rglob("offline-run-*"))
     assert runs, "W&B offline run folder was not written"
     assert list(runs[0].glob("*.wandb")), "no W&B event log in the offline run"
