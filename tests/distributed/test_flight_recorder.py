@@ -9,18 +9,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO_ROOT as REPO
 from torchtitan.tools.flight_recorder import (
     EXIT_CODE,
     fix_pg_config,
     is_collective_failure,
     last_collectives,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent(
     """

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT as ROOT
+
 sys.path.insert(0, str(ROOT / "scripts"))
 import loss_compare  # noqa: E402
 

@@ -22,6 +22,7 @@ from torchtitan.models.llama3.model import Transformer
 
 aten = torch.ops.aten
 SEQ, VOCAB, STEPS = 32, 256, 5
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(n_layers: int = 4) -> Transformer:
@@ -53,14 +54,6 @@ def _train(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor]
         opt.step()
         losses.append(loss.item())
     return losses, first_grads
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: oversubscribed OpenMP threads spin
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

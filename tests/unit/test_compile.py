@@ -15,14 +15,7 @@ from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model import Transformer
 
 SEQ, VOCAB, STEPS = 32, 256, 5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: oversubscribed OpenMP threads spin
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model() -> Transformer:

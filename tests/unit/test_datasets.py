@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import C4_TEST_TRAIN, C4_TEST_VALID, REPO_ROOT
 from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.components.tokenizer import BaseTokenizer, TikTokenTokenizer
+from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config.job_config import DataLoader
 from torchtitan.datasets import (
     DATASETS,
@@ -21,7 +22,6 @@ from torchtitan.datasets import (
     resolve_dataset,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 BOS, EOS = 1, 2
 
 
@@ -90,10 +90,11 @@ def test_registry_entries():
         path="allenai/c4", hf_name="en", split="train", streaming=True
     )
     assert DATASETS["c4_validation"].split == "validation" and DATASETS["c4_validation"].streaming
-    assert DATASETS["c4_test"].local and DATASETS["c4_test"].path.startswith("tests/assets/c4_test")
+    # the bundled synthetic corpus, by a path relative to the repo root (run_train.sh's cwd)
+    assert DATASETS["c4_test"].local and REPO_ROOT / DATASETS["c4_test"].path == C4_TEST_TRAIN
     assert DATASETS["c4_test_validation"].local
-    for name in ("c4_test", "c4_test_validation"):
-        assert (ROOT / DATASETS[name].path).is_file()
+    assert REPO_ROOT / DATASETS["c4_test_validation"].path == C4_TEST_VALID
+    assert C4_TEST_TRAIN.is_file() and C4_TEST_VALID.is_file()
 
 
 def test_unknown_dataset_lists_known_names():
@@ -221,10 +222,10 @@ def test_infinite_reloops_and_finite_stops(jsonl):
     assert _windows_to_stream(infinite) == (stream * 4)[: 3 * per_pass * 9]
 
 
-def test_real_tokenizer_on_c4_test():
-    tok = TikTokenTokenizer(ROOT / "tests/assets/tokenizer/tokenizer.model")
+def test_real_tokenizer_on_c4_test(tiktoken_tokenizer):
+    tok = tiktoken_tokenizer
     x, y = next(iter(HuggingFaceTextDataset("c4_test", None, tok, seq_len=512)))
-    with open(ROOT / DATASETS["c4_test"].path) as f:
+    with open(C4_TEST_TRAIN) as f:
         docs = [json.loads(next(f))["text"] for _ in range(5)]
     stream = [t for d in docs for t in tok.encode(d, bos=True, eos=True)]
     assert x.tolist() + [y[-1].item()] == stream[:513]
@@ -376,8 +377,8 @@ def test_dataloader_options(jsonl):
         ParallelAwareDataloader(ds, 0, 1, 2, DataLoader(num_workers=-1))
 
 
-def test_build_text_dataloader_on_c4_test():
-    tok = TikTokenTokenizer(ROOT / "tests/assets/tokenizer/tokenizer.model")
+def test_build_text_dataloader_on_c4_test(tiktoken_tokenizer):
+    tok = tiktoken_tokenizer
     loader = build_text_dataloader(
         dataset_name="c4_test",
         dataset_path=None,

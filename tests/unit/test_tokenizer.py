@@ -3,13 +3,21 @@
 import hashlib
 import importlib.util
 import json
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import (
+    ASSETS,
+    C4_TEST_TRAIN,
+    C4_TEST_VALID,
+    REPO_ROOT,
+    SP_FILE,
+    SP_TOKENIZER_DIR,
+    TIKTOKEN_FILE,
+)
 from torchtitan.components.tokenizer import (
     LLAMA3_PAT_STR,
     LLAMA3_SPECIAL_TOKENS,
@@ -21,11 +29,7 @@ from torchtitan.components.tokenizer import (
 )
 from torchtitan.config.job_config import Model
 
-ROOT = Path(__file__).resolve().parents[2]
-ASSETS = ROOT / "tests" / "assets"
-TIKTOKEN_FILE = ASSETS / "tokenizer" / "tokenizer.model"
-SP_FILE = ASSETS / "tokenizer_sp" / "tokenizer.model"
-SCRIPT = ROOT / "scripts" / "generate_test_assets.py"
+SCRIPT = REPO_ROOT / "scripts" / "generate_test_assets.py"
 
 TEXTS = [
     "Preheat the oven to 350 degrees and bake the bread for 25 minutes.",
@@ -37,8 +41,17 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tik() -> TikTokenTokenizer:
-    return TikTokenTokenizer(TIKTOKEN_FILE)
+def tik(tiktoken_tokenizer) -> TikTokenTokenizer:
+    return tiktoken_tokenizer
+
+
+@pytest.fixture(scope="module")
+def generator():
+    """scripts/generate_test_assets.py, imported in this process."""
+    spec = importlib.util.spec_from_file_location("generate_test_assets", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +86,7 @@ def test_tiktoken_round_trip(tik, text):
 
 
 def test_tiktoken_compresses_the_corpus(tik):
-    docs = [json.loads(line)["text"] for line in open(ASSETS / "c4_test" / "data.json")][:200]
+    docs = [json.loads(line)["text"] for line in open(C4_TEST_TRAIN)][:200]
     chars = sum(len(d) for d in docs)
     tokens = sum(len(tik.encode(d, bos=False)) for d in docs)
     assert tokens < chars / 3.5  # a trained BPE, not bytes (the corpus gives about 4.4 chars/token)
@@ -96,10 +109,8 @@ def test_tiktoken_bad_file(tmp_path):
         TikTokenTokenizer(gap)
 
 
-def test_generator_uses_llama3_pattern():
-    spec = importlib.util.spec_from_file_location("generate_test_assets", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_generator_uses_llama3_pattern(generator):
+    mod = generator
     assert mod.LLAMA3_PAT_STR == LLAMA3_PAT_STR
     ranks = mod.train_bpe(["abab abab abab", "ab"], vocab_size=259)
     assert ranks[b"ab"] == 256 and len(ranks) == 259  # the most frequent pair merges first
@@ -175,7 +186,7 @@ def test_detection_by_content(tmp_path):
 
 def test_build_tokenizer_picks_by_content(tmp_path):
     assert isinstance(build_tokenizer(Model()), TikTokenTokenizer)  # default hf_assets_path
-    sp_tok = build_tokenizer(Model(hf_assets_path=str(ASSETS / "tokenizer_sp")))
+    sp_tok = build_tokenizer(Model(hf_assets_path=str(SP_TOKENIZER_DIR)))
     assert isinstance(sp_tok, SentencePieceTokenizer)
     # The content decides, not the name: a sentencepiece model under any file name.
     renamed = tmp_path / "anything.bin"
@@ -183,7 +194,7 @@ def test_build_tokenizer_picks_by_content(tmp_path):
     tok = build_tokenizer(Model(hf_assets_path="/nonexistent", tokenizer_path=str(renamed)))
     assert isinstance(tok, SentencePieceTokenizer)
     # tokenizer_path may also be a folder.
-    tok = build_tokenizer(Model(tokenizer_path=str(ASSETS / "tokenizer_sp")))
+    tok = build_tokenizer(Model(tokenizer_path=str(SP_TOKENIZER_DIR)))
     assert isinstance(tok, SentencePieceTokenizer)
 
 
@@ -226,24 +237,18 @@ ASSET_FILES = [
 ]
 
 
-def test_generated_assets_are_reproducible(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+def test_generated_assets_are_reproducible(tmp_path, generator):
+    assert generator.main(["--out-dir", str(tmp_path)]) == 0  # in-process: no interpreter start
     for rel in ASSET_FILES:
         assert _sha(tmp_path / rel) == _sha(ASSETS / rel), f"{rel} differs from a fresh generation"
 
 
 def test_corpus_shape():
-    train = [json.loads(line) for line in open(ASSETS / "c4_test" / "data.json")]
-    valid = [json.loads(line) for line in open(ASSETS / "c4_test" / "validation.json")]
+    train = [json.loads(line) for line in open(C4_TEST_TRAIN)]
+    valid = [json.loads(line) for line in open(C4_TEST_VALID)]
     assert len(train) == 2000 and len(valid) == 200
     assert all(list(d) == ["text", "timestamp", "url"] for d in train + valid)
-    assert (ASSETS / "c4_test" / "data.json").stat().st_size < 3_000_000
+    assert C4_TEST_TRAIN.stat().st_size < 3_000_000
     assert {d["text"] for d in train}.isdisjoint({d["text"] for d in valid})
     assert len({d["text"] for d in train}) == 2000  # varied, no duplicate documents
     words = Counter(w for d in train for w in d["text"].split())
