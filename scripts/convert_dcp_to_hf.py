@@ -24,7 +24,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torchtitan.components import checkpoint_utils as cu  # noqa: E402
+from torchtitan.components.checkpoint import fs, hf, load  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
 from torchtitan.models.llama3.args import TransformerModelArgs  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
@@ -50,12 +50,12 @@ def _args_for(flavor: str, weights: dict[str, torch.Tensor]) -> TransformerModel
 
 def convert_dcp_to_hf(ckpt_dir: str, out_dir: str, flavor: str, dtype: str = "float32") -> list[str]:
     """Write ``out_dir`` (safetensors + config.json) from DCP ``ckpt_dir``; returns file names."""
-    if not os.path.exists(os.path.join(ckpt_dir, cu.DCP_METADATA)):
-        raise FileNotFoundError(f"{ckpt_dir} has no {cu.DCP_METADATA}: not a DCP checkpoint folder")
-    weights = cu.load_dcp_model_tensors(ckpt_dir, dtype=_DTYPES[dtype])
+    if not os.path.exists(os.path.join(ckpt_dir, fs.DCP_METADATA)):
+        raise FileNotFoundError(f"{ckpt_dir} has no {fs.DCP_METADATA}: not a DCP checkpoint folder")
+    weights = load.load_dcp_model_tensors(ckpt_dir, dtype=_DTYPES[dtype])
     args = _args_for(flavor, weights)
     adapter = Llama3StateDictAdapter(args)
-    files = cu.save_safetensors_folder(adapter.to_hf(weights), out_dir)
+    files = hf.save_safetensors_folder(adapter.to_hf(weights), out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(adapter.hf_config(dtype), f, indent=2)
     return files + ["config.json"]

@@ -22,7 +22,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torchtitan.components import checkpoint_utils as cu  # noqa: E402
+from torchtitan.components.checkpoint import hf, save  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
     Llama3StateDictAdapter,
     model_args_from_hf_config,
@@ -39,11 +39,11 @@ def convert_hf_to_dcp(hf_dir: str, out_dir: str, dtype: str | None = None) -> di
     with open(config_path) as f:
         config = json.load(f)
     args = model_args_from_hf_config(config)
-    state = Llama3StateDictAdapter(args).from_hf(cu.load_safetensors_folder(hf_dir))
+    state = Llama3StateDictAdapter(args).from_hf(hf.load_safetensors_folder(hf_dir))
     if dtype is not None:
         state = {k: v.to(_DTYPES[dtype]) for k, v in state.items()}
     info = {"step": 0, "model_only": True, "states": [], "converted_from": os.path.abspath(hf_dir)}
-    cu.save_dcp_single_process(state, out_dir, info)
+    save.save_dcp_single_process(state, out_dir, info)
     return state
 
 

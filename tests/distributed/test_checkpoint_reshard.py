@@ -28,8 +28,8 @@ from tests.distributed.harness import (
     tiny_args,
 )
 from tests.distributed.launcher import launch
-from torchtitan.components import checkpoint_utils as cu
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager
+from torchtitan.components.checkpoint.hf import save_safetensors_folder
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
@@ -132,7 +132,7 @@ def four_ranks(root: str) -> dict:
     ck.save(2, force=True)  # synchronous (force), committed on return
     losses += [a.step(s) for s in range(2, 4)]
     ck.save(4)  # async: training continues while it is written
-    assert ck._in_flight is not None  # noqa: SLF001 - really in the background
+    assert ck.in_flight is not None  # really in the background
     losses.append(a.step(4))  # modifies the weights the async save staged
     ck.close()
     out["fsdp4"] = losses
@@ -172,7 +172,7 @@ def two_ranks(root: str) -> dict:
 @pytest.mark.slow
 def test_reshard_fsdp4_tp_fsdp2_single(tmp_path):
     hf = Llama3StateDictAdapter(tiny_args()).to_hf(initial_state_dict())
-    cu.save_safetensors_folder(hf, str(tmp_path / "hf"))
+    save_safetensors_folder(hf, str(tmp_path / "hf"))
     four = launch(four_ranks, 4, str(tmp_path), timeout_s=240)
     ref = four[0]["fsdp4"]
     assert all(r["fsdp4"] == ref for r in four)  # every rank reports the same global loss

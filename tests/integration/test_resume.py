@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.checkpoint import TEST_KILL_ENV
+from tests.checkpoint_kill_hook import kill_env
 from torchtitan.config.manager import ConfigManager
 from torchtitan.train import Trainer
 
@@ -118,7 +118,7 @@ def straight(tmp_path_factory) -> dict[int, float]:
 @pytest.mark.slow
 def test_kill_during_async_commit_then_exact_resume(tmp_path, straight):
     flags = ["--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "2"]
-    proc = _popen(tmp_path, *flags, "--checkpoint.async_mode", "async", env={TEST_KILL_ENV: "15:commit"})
+    proc = _popen(tmp_path, *flags, "--checkpoint.async_mode", "async", env=kill_env(15, "commit"))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     # step-15 was never committed; the two complete ones before it are intact

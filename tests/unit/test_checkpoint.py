@@ -22,13 +22,22 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components import checkpoint_utils as cu
-from torchtitan.components.checkpoint import TEST_KILL_ENV, CheckpointError, CheckpointManager
+from torchtitan.components.checkpoint import (
+    HOOKS_ENV,
+    CheckpointError,
+    CheckpointManager,
+    SaveHooks,
+    check_model_shapes,
+    fs,
+    load,
+    save,
+)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Checkpoint, LRScheduler, Optimizer
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 
 @pytest.fixture
@@ -77,7 +86,14 @@ class TrainState(Stateful):
 class Rig:
     """Model + optimizer + scheduler + data + train state + CheckpointManager."""
 
-    def __init__(self, folder: Path, width: int = 16, stream: ToyStream | None = None, **ckpt: Any):
+    def __init__(
+        self,
+        folder: Path,
+        width: int = 16,
+        stream: ToyStream | None = None,
+        save_hooks: SaveHooks | None = None,
+        **ckpt: Any,
+    ):
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
         self.opt = OptimizersContainer([self.model], Optimizer(lr=1e-2, implementation="for-loop"))
@@ -95,6 +111,7 @@ class Rig:
             states={"train_state": self.state},
             checkpoint_config=cfg,
             dump_folder=str(folder),
+            save_hooks=save_hooks,
         )
         self.folder = folder / cfg.folder
 
@@ -164,11 +181,11 @@ def test_keep_latest_k_purges_old_and_stale(tmp_path):
 def test_purge_never_lists_newest_or_protected(tmp_path):
     folder = tmp_path / "ck"
     for step in (1, 2, 3):
-        cu.save_dcp_single_process({"w": torch.zeros(2)}, str(folder / f"step-{step}"), {"step": step})
+        save.save_dcp_single_process({"w": torch.zeros(2)}, str(folder / f"step-{step}"), {"step": step})
     (folder / "step-4.tmp").mkdir()
-    doomed = cu.purge_candidates(str(folder), 1, protect=[str(folder / "step-4.tmp")])
+    doomed = fs.purge_candidates(str(folder), 1, protect=[str(folder / "step-4.tmp")])
     assert sorted(os.path.basename(p) for p in doomed) == ["step-1", "step-2"]
-    assert cu.purge_candidates(str(folder), 0) == []
+    assert fs.purge_candidates(str(folder), 0) == []
 
 
 def test_incomplete_and_corrupt_are_skipped(tmp_path, caplog):
@@ -228,7 +245,7 @@ def test_last_save_model_only_export_dtype(tmp_path, caplog):
     rig = Rig(tmp_path, interval=100, last_save_model_only=True, export_dtype="bfloat16")
     rig.train(10)
     path = rig.folder / "step-10"
-    meta = cu.read_dcp_metadata(str(path)).state_dict_metadata
+    meta = load.read_dcp_metadata(str(path)).state_dict_metadata
     assert not any(k.startswith(("optimizer.", "lr_scheduler.", "dataloader.")) for k in meta)
     assert meta["0.weight"].properties.dtype == torch.bfloat16
     assert "train_state.step" in meta
@@ -244,7 +261,7 @@ def test_last_save_model_only_export_dtype(tmp_path, caplog):
 def test_seed_checkpoint_is_model_only_and_needs_one_process(tmp_path, monkeypatch, caplog):
     seed = Rig(tmp_path, create_seed_checkpoint=True, enable=False)
     seed.ckpt.save_seed_checkpoint()
-    meta = cu.read_dcp_metadata(str(seed.folder / "step-0")).state_dict_metadata
+    meta = load.read_dcp_metadata(str(seed.folder / "step-0")).state_dict_metadata
     assert sorted(meta) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     user = Rig(tmp_path, load_only=True, width=16)
     with torch.no_grad():
@@ -324,25 +341,100 @@ def test_bad_options(tmp_path, caplog):
         assert "async_with_pinned_mem needs CUDA" in caplog.text
 
 
+class RecordingHooks(SaveHooks):
+    """Records each phase with what is on disk at that moment."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, str, bool, bool]] = []
+
+    def _record(self, phase: str, step: int, path: str) -> None:
+        has_meta = os.path.exists(os.path.join(path, ".metadata"))
+        has_marker = os.path.exists(os.path.join(path, ".committed"))
+        self.calls.append((phase, step, os.path.basename(path), has_meta, has_marker))
+
+    def data_written(self, step: int, path: str) -> None:
+        self._record("data_written", step, path)
+
+    def before_commit(self, step: int, path: str) -> None:
+        self._record("before_commit", step, path)
+
+    def after_commit(self, step: int, path: str) -> None:
+        self._record("after_commit", step, path)
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_save_hooks_see_each_phase_in_order(tmp_path, async_mode):
+    hooks = RecordingHooks()
+    rig = Rig(tmp_path, save_hooks=hooks, async_mode=async_mode)
+    rig.train(4)  # both saves async in async mode (step 4 is committed by close)
+    rig.ckpt.close()
+    expected = []
+    for step in (2, 4):
+        expected += [
+            ("data_written", step, f"step-{step}.tmp", False, False),  # before .metadata
+            ("before_commit", step, f"step-{step}.tmp", True, False),  # before the marker
+            ("after_commit", step, f"step-{step}", True, True),
+        ]
+    assert hooks.calls == expected
+
+
+def test_save_hooks_from_environment(tmp_path, monkeypatch):
+    (tmp_path / "my_hooks.py").write_text(
+        "from torchtitan.components.checkpoint import SaveHooks\n"
+        "class Counting(SaveHooks):\n"
+        "    commits = []\n"
+        "    def after_commit(self, step, path):\n"
+        "        Counting.commits.append(step)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(HOOKS_ENV, "my_hooks:Counting")
+    rig = Rig(tmp_path / "run")
+    rig.train(2)
+    import my_hooks
+
+    assert my_hooks.Counting.commits == [2]
+    for spec, needle in (
+        ("my_hooks", "use module:attr"),
+        ("my_hooks:Nope", "cannot import it"),
+        ("no_such_module_xyz:X", "cannot import it"),
+    ):
+        monkeypatch.setenv(HOOKS_ENV, spec)
+        with pytest.raises(CheckpointError, match=f"{HOOKS_ENV}=.*{needle}"):
+            Rig(tmp_path / "bad")
+
+
+def test_model_shape_check_names_key_shapes_and_source():
+    expected = {"w": (4, 2), "b": (4,), "extra": None}
+    check_model_shapes(expected, {"w": (4, 2), "b": (4,), "extra": None, "other": (1,)}, "ck")
+    with pytest.raises(CheckpointError, match=r"^ck: w has shape \(2, 4\) but the model expects \(4, 2\);"):
+        check_model_shapes(expected, {"w": (2, 4), "b": (4,), "extra": None}, "ck")
+    with pytest.raises(CheckpointError, match=r"^ck has no weights for \['b'\] \(1 of 3 missing\)"):
+        check_model_shapes(expected, {"w": (4, 2), "extra": None}, "ck")
+
+
 _KILL_DRIVER = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {here!r})
+sys.path.insert(0, {repo!r})
 from test_checkpoint import Rig
-rig = Rig(Path({folder!r}), async_mode={mode!r})
+from tests.checkpoint_kill_hook import KillDuringSave
+rig = Rig(Path({folder!r}), async_mode={mode!r}, save_hooks=KillDuringSave(4, {phase!r}))
 rig.train(6)
 rig.ckpt.close()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,phase", [("disabled", "write"), ("disabled", "commit"), ("async", "commit")]
 )
 def test_kill_during_save_keeps_last_complete(tmp_path, caplog, mode, phase):
     """SIGKILL while step-4 is written: step-2 survives, step-4.tmp is skipped on restart."""
-    code = _KILL_DRIVER.format(here=str(HERE), folder=str(tmp_path), mode=mode)
-    env = dict(os.environ, **{TEST_KILL_ENV: f"4:{phase}"})
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    code = _KILL_DRIVER.format(
+        here=str(HERE), repo=str(REPO), folder=str(tmp_path), mode=mode, phase=phase
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     folder = tmp_path / "checkpoint"
     assert _steps(folder) == ["step-2", "step-4.tmp"]

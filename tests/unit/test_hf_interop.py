@@ -19,8 +19,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from torchtitan.components import checkpoint_utils as cu  # noqa: E402
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.checkpoint import (  # noqa: E402
+    CheckpointError,
+    CheckpointManager,
+    fs,
+    load,
+    save,
+)
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
@@ -91,7 +96,7 @@ def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def _ours(folder_or_sd, args) -> Transformer:
     model = Transformer(args)
     model.init_weights()
-    sd = cu.load_dcp_model_tensors(str(folder_or_sd)) if not isinstance(folder_or_sd, dict) else folder_or_sd
+    sd = load.load_dcp_model_tensors(str(folder_or_sd)) if not isinstance(folder_or_sd, dict) else folder_or_sd
     model.load_state_dict(sd, strict=True)
     return model.eval()
 
@@ -108,7 +113,7 @@ def test_hf_to_ours_logits_match(tmp_path, capsys, tied):
     out = tmp_path / "dcp"
     assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
     assert "--checkpoint.initial_load_path" in capsys.readouterr().out
-    assert cu.verify_checkpoint(str(out)) == ("", cu.read_marker(str(out)))  # a committed checkpoint
+    assert fs.verify_checkpoint(str(out)) == ("", fs.read_marker(str(out)))  # a committed checkpoint
     args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))
     assert args.ffn_hidden_dim == 192 and args.rope_scaling is not None and args.tie_word_embeddings == tied
     ours = _ours(out, args)
@@ -118,7 +123,7 @@ def test_hf_to_ours_logits_match(tmp_path, capsys, tied):
         got = ours(tokens)
     assert (got - ref).abs().max().item() < TOL
     # negative control: without the wq/wk permutation the logits are clearly different
-    raw = cu.load_dcp_model_tensors(str(out))
+    raw = load.load_dcp_model_tensors(str(out))
     for i in range(args.n_layers):
         raw[f"layers.{i}.attention.wq.weight"] = permute_to_hf(raw[f"layers.{i}.attention.wq.weight"], 4)
         raw[f"layers.{i}.attention.wk.weight"] = permute_to_hf(raw[f"layers.{i}.attention.wk.weight"], 2)
@@ -134,7 +139,7 @@ def test_ours_to_hf_export_matches(tmp_path, capsys):
     ours = Transformer(args)
     ours.init_weights()
     ckpt = tmp_path / "step-7"
-    cu.save_dcp_single_process({k: v.detach() for k, v in ours.state_dict().items()}, str(ckpt), {"step": 7})
+    save.save_dcp_single_process({k: v.detach() for k, v in ours.state_dict().items()}, str(ckpt), {"step": 7})
     out = tmp_path / "export"
     script = _script("convert_dcp_to_hf")
     assert script.main([str(ckpt), str(out), "--flavor", "debugmodel_tiny"]) == 0
@@ -168,10 +173,27 @@ def test_checkpoint_manager_hf_initial_load_and_last_save(tmp_path):
     last = manager(tmp_path / "run", last_save_in_hf=True, last_save_model_only=True)
     last.save(5, last_step=True)
     export = tmp_path / "run" / "checkpoint" / "step-5" / "hf"
-    marker = cu.read_marker(str(export.parent))
+    marker = fs.read_marker(str(export.parent))
     assert "hf/model.safetensors" in marker["files"] and "hf/config.json" in marker["files"]
     back = transformers.LlamaForCausalLM.from_pretrained(export).eval()
     assert (_hf_logits(back, tokens) - _hf_logits(hf, tokens)).abs().max().item() < TOL
+
+
+def test_hf_load_into_another_shape_is_one_clear_error(tmp_path):
+    """The HF load uses the same shape check as DCP loads: key, both shapes, the path."""
+    _, folder = _hf_model(tmp_path)
+    args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))
+    args = type(args)(**{**args.__dict__, "vocab_size": 2 * VOCAB})
+    cfg = Checkpoint(enable=True, initial_load_path=str(folder), initial_load_in_hf=True)
+    manager = CheckpointManager(
+        None, [Transformer(args)], None, None, {}, cfg, str(tmp_path / "run"), Llama3StateDictAdapter(args)
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^HF checkpoint {folder}: tok_embeddings.weight has shape \(256, 64\) but the "
+        r"model expects \(512, 64\); check model.flavor",
+    ):
+        manager.load()
 
 
 def test_hf_config_roundtrip_and_errors():

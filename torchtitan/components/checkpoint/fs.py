@@ -1,4 +1,5 @@
-"""Checkpoint folder bookkeeping (atomic commit, verification, purging) and file-format helpers.
+"""Checkpoint folder layout and bookkeeping: step folders, the commit marker, verification,
+scanning, the atomic commit and purge candidates.
 
 A checkpoint is written to ``step-N.tmp`` and becomes ``step-N`` only after every rank finished
 writing: rank 0 then writes a commit marker (``.committed``, listing every file and its size) and
@@ -14,12 +15,9 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 STEP_PREFIX = "step-"
 TMP_SUFFIX = ".tmp"
@@ -199,116 +197,3 @@ def purge_candidates(
                 doomed.append(os.path.join(folder, name))
     newest = complete[-1].path if complete else None
     return [p for p in doomed if p != newest and os.path.abspath(p) not in protected]
-
-
-# --- DCP helpers ----------------------------------------------------------------------------
-
-
-def read_dcp_metadata(path: str) -> Any:
-    """DCP ``Metadata`` of checkpoint folder ``path`` (``state_dict_metadata``: key -> meta)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return FileSystemReader(path).read_metadata()
-
-
-NON_MODEL_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
-
-
-def dcp_model_keys(metadata: Any, extra_non_model: Iterable[str] = ()) -> list[str]:
-    """Keys of ``metadata`` that hold model weights (tensors outside the non-model states)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    prefixes = NON_MODEL_PREFIXES + tuple(f"{p}." for p in extra_non_model)
-    return [
-        k
-        for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and not k.startswith(prefixes)
-    ]
-
-
-def load_dcp_model_tensors(
-    path: str, dtype: torch.dtype | None = None, extra_non_model: Iterable[str] = ()
-) -> dict[str, torch.Tensor]:
-    """Read every model weight of a DCP checkpoint into full CPU tensors (one process, no PG)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = read_dcp_metadata(path)
-    meta = metadata.state_dict_metadata
-    keys = dcp_model_keys(metadata, extra_non_model)
-    sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
-    if not sd:
-        raise ValueError(f"{path} holds no model weights")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=path, no_dist=True)
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    return sd
-
-
-def save_dcp_single_process(state_dict: dict[str, Any], path: str, info: dict[str, Any]) -> None:
-    """Write ``state_dict`` as a committed DCP checkpoint at ``path`` from one process."""
-    import torch.distributed.checkpoint as dcp
-
-    tmp = path.rstrip("/") + TMP_SUFFIX
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
-    commit_checkpoint(tmp, path, info)
-
-
-# --- safetensors (HF) -----------------------------------------------------------------------
-
-
-def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in ``folder`` (HF layout, sharded or not)."""
-    from safetensors.torch import load_file
-
-    if os.path.isfile(folder) and folder.endswith(".safetensors"):
-        return load_file(folder)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{folder}: no such HF checkpoint folder")
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    sd: dict[str, torch.Tensor] = {}
-    for name in files:
-        sd.update(load_file(os.path.join(folder, name)))
-    return sd
-
-
-def save_safetensors_folder(
-    state_dict: dict[str, torch.Tensor], folder: str, max_shard_bytes: int = 5 * 2**30
-) -> list[str]:
-    """Write ``state_dict`` as HF safetensors (``model.safetensors``, or shards plus
-    ``model.safetensors.index.json`` when larger than ``max_shard_bytes``); returns file names."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state_dict):
-        t = state_dict[key].detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata=meta)
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map: dict[str, str] = {}
-    total = 0
-    for name, shard in zip(names, shards):
-        save_file(shard, os.path.join(folder, name), metadata=meta)
-        for key, t in shard.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return names + ["model.safetensors.index.json"]

@@ -1,0 +1,276 @@
+"""CheckpointManager: when to save, what goes into a checkpoint, what to load.
+
+Layout: ``{dump_folder}/{checkpoint.folder}/step-N``. A checkpoint holds the model weights at the
+top level (FQN keys merged over all model parts, so FSDP/TP/PP layouts share one layout) plus
+``optimizer``, ``lr_scheduler``, ``dataloader`` and ``train_state`` (any ``states`` given).
+Writing and committing is save.py, choosing and reading load.py / hf.py, the folder layout fs.py.
+See docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.components.checkpoint import fs, hf
+from torchtitan.components.checkpoint.common import (
+    DATALOADER,
+    EXPORT_DTYPES,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    CheckpointError,
+    ModelWrapper,
+    rank,
+    world_size,
+)
+from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
+from torchtitan.components.checkpoint.load import load_dcp, plan_load
+from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.tools.logging import logger
+
+
+class CheckpointManager:
+    """Saves and loads the whole training state with ``torch.distributed.checkpoint``.
+
+    Args:
+        dataloader: Stateful dataloader (None: not checkpointed).
+        model_parts: the model, or its pipeline parts.
+        optimizers / lr_schedulers: Stateful containers (None: not checkpointed).
+        states: further Stateful objects by name, e.g. ``{"train_state": trainer}``.
+        checkpoint_config: the ``[checkpoint]`` section.
+        dump_folder: ``job.dump_folder``; checkpoints go to ``{dump_folder}/{folder}``.
+        sd_adapter: HF state-dict adapter (``to_hf``/``from_hf``/``hf_config``), needed only for
+            ``initial_load_in_hf`` / ``last_save_in_hf``.
+        save_hooks: called at each phase of every save (hooks.py); None: the object named by
+            ``TORCHTITAN_CHECKPOINT_HOOKS`` if set, else no hooks.
+    """
+
+    def __init__(
+        self,
+        dataloader: Stateful | None,
+        model_parts: list[nn.Module] | nn.Module,
+        optimizers: Stateful | None,
+        lr_schedulers: Stateful | None,
+        states: dict[str, Stateful] | None,
+        checkpoint_config: CheckpointConfig,
+        dump_folder: str,
+        sd_adapter: Any | None = None,
+        save_hooks: SaveHooks | None = None,
+    ) -> None:
+        self.config = cfg = checkpoint_config
+        self.enable = bool(cfg.enable or cfg.create_seed_checkpoint)
+        self.folder = os.path.join(dump_folder, cfg.folder)
+        self.model = ModelWrapper(model_parts)
+        self.sd_adapter = sd_adapter
+        self.states: dict[str, Stateful] = {}
+        for name, obj in (
+            (OPTIMIZER, optimizers),
+            (LR_SCHEDULER, lr_schedulers),
+            (DATALOADER, dataloader),
+        ):
+            if obj is not None:
+                self.states[name] = obj
+        for name, obj in (states or {}).items():
+            if name in self.states or name == MODEL:
+                raise CheckpointError(f"checkpoint state name {name!r} is reserved")
+            self.states[name] = obj
+        self.exclude = self._parse_exclude(cfg.exclude_from_loading)
+        if cfg.interval <= 0:
+            raise CheckpointError(f"checkpoint.interval={cfg.interval} must be a positive step count")
+        if cfg.keep_latest_k < 0:
+            raise CheckpointError(
+                f"checkpoint.keep_latest_k={cfg.keep_latest_k} must be >= 0 (0 keeps every checkpoint)"
+            )
+        if cfg.export_dtype not in EXPORT_DTYPES:
+            raise CheckpointError(
+                f"checkpoint.export_dtype={cfg.export_dtype!r}: use one of {sorted(EXPORT_DTYPES)}"
+            )
+        if (cfg.initial_load_in_hf or cfg.last_save_in_hf) and sd_adapter is None and self.enable:
+            which = "initial_load_in_hf" if cfg.initial_load_in_hf else "last_save_in_hf"
+            raise CheckpointError(
+                f"checkpoint.{which} needs an HF state-dict adapter, and this model has none"
+            )
+        self.async_mode = cfg.async_mode
+        if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
+            raise CheckpointError(
+                f"checkpoint.async_mode={self.async_mode!r}: use disabled, async or async_with_pinned_mem"
+            )
+        if self.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            logger.warning(
+                "checkpoint.async_mode=async_with_pinned_mem needs CUDA (pinned host memory); "
+                "using async (staged copies in ordinary memory) instead"
+            )
+            self.async_mode = "async"
+        self.saver = CheckpointSaver(
+            self.folder,
+            cfg.keep_latest_k,
+            self.async_mode,
+            background=self.enable and not cfg.load_only and self.async_mode != "disabled",
+            hooks=save_hooks if save_hooks is not None else hooks_from_env(),
+        )
+        if self.enable and cfg.enable_ft_dataloader_checkpoints and rank() == 0:
+            logger.warning(
+                "checkpoint.enable_ft_dataloader_checkpoints is ignored: fault-tolerance replicas "
+                "(torchft) are not supported; the dataloader is checkpointed per dp rank as usual"
+            )
+        if self.enable:
+            self._log_setup()
+
+    # --- configuration ---------------------------------------------------------------------
+    def _parse_exclude(self, raw: list[str] | str) -> list[str]:
+        items = raw.split(",") if isinstance(raw, str) else [p for r in raw for p in r.split(",")]
+        names = [p.strip() for p in items if p.strip()]
+        valid = [MODEL, *self.states]
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint.exclude_from_loading has unknown name(s) {bad}; valid names: {valid}"
+            )
+        return names
+
+    def _log_setup(self) -> None:
+        cfg = self.config
+        if rank() != 0:
+            return
+        if cfg.create_seed_checkpoint:
+            return
+        if cfg.load_only:
+            logger.info(f"Checkpoint: load_only: loading from {self.folder} if possible, never saving")
+            return
+        extras = []
+        if cfg.enable_first_step_checkpoint:
+            extras.append("also after step 1")
+        if cfg.last_save_model_only:
+            extras.append(f"final save model-only in {cfg.export_dtype}")
+        if cfg.last_save_in_hf:
+            extras.append("final save also as HF safetensors")
+        logger.info(
+            f"Checkpoint: saving to {self.folder}/step-N every {cfg.interval} steps, "
+            f"async_mode={self.async_mode}, keep_latest_k={cfg.keep_latest_k or 'all'}"
+            + (f" ({'; '.join(extras)})" if extras else "")
+        )
+
+    # --- saving ----------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> InFlightSave | None:
+        """The async save still being written in the background, if any."""
+        return self.saver.in_flight
+
+    def _should_save(self, step: int, last_step: bool, force: bool) -> bool:
+        cfg = self.config
+        if not self.enable:
+            if force:
+                logger.warning("Checkpoint: checkpoint.enable is off, so no checkpoint is written")
+            return False
+        if cfg.load_only:
+            if force:
+                logger.warning("Checkpoint: checkpoint.load_only is set, so no checkpoint is written")
+            return False
+        if force or last_step:
+            return True
+        if step == 1 and cfg.enable_first_step_checkpoint:
+            return True
+        return step % cfg.interval == 0
+
+    def _model_state(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
+        sd = self.model.state_dict()
+        if dtype is not None:
+            sd = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in sd.items()}
+        return sd
+
+    def _full_state(self) -> dict[str, Any]:
+        sd = self._model_state()
+        for name, obj in self.states.items():
+            sd[name] = obj.state_dict()
+        return sd
+
+    def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> None:
+        """Save after step ``curr_step`` when due (interval, first step, last step) or ``force``."""
+        if not self._should_save(curr_step, last_step, force):
+            return
+        cfg = self.config
+        model_only = last_step and cfg.last_save_model_only
+        if model_only:
+            sd = self._model_state(EXPORT_DTYPES[cfg.export_dtype])
+            for name in (TRAIN_STATE,):  # tiny, lets a finished run restart as finished
+                if name in self.states:
+                    sd[name] = self.states[name].state_dict()
+        else:
+            sd = self._full_state()
+        states = sorted(k for k in sd if k in self.states)
+        info = {"step": curr_step, "model_only": model_only, "states": states}
+        if self.async_mode != "disabled" and not (last_step or force):
+            self.saver.save_async(curr_step, sd, info)
+            return
+        self.saver.wait()
+        export = None
+        if last_step and cfg.last_save_in_hf:
+            export = partial(
+                hf.export_hf,
+                sd_adapter=self.sd_adapter,
+                export_dtype=cfg.export_dtype,
+                extra_non_model=list(self.states),
+            )
+        self.saver.save_sync(curr_step, sd, info, export=export)
+
+    def maybe_wait_for_staging(self) -> None:
+        """Call before the optimizer step: waits until an async save has copied the weights
+        (pinned-memory mode) and commits a background write that has finished."""
+        self.saver.maybe_wait_for_staging()
+
+    def save_seed_checkpoint(self) -> None:
+        """Write the freshly initialised model weights as ``step-0`` (needs world size 1)."""
+        ws = world_size()
+        if ws != 1:
+            raise CheckpointError(
+                f"checkpoint.create_seed_checkpoint needs a single process (NGPU=1 and every "
+                f"parallelism.*_degree 1); this run has world size {ws}"
+            )
+        path = os.path.join(self.folder, fs.step_dir_name(0))
+        if os.path.exists(path):
+            logger.warning(f"Checkpoint: replacing the existing seed checkpoint {path}")
+        info = {"step": 0, "model_only": True, "states": [], "seed": True}
+        self.saver.save_sync(0, self._model_state(), info)
+        logger.info(
+            f"Checkpoint: seed checkpoint written to {path}; start runs from it with "
+            f"--checkpoint.enable (any parallel layout, resharded on load)"
+        )
+
+    # --- loading ---------------------------------------------------------------------------
+    def load(self, step: int = -1) -> bool:
+        """Load the newest complete checkpoint (or ``step-<step>``), else ``initial_load_path``.
+
+        Returns True when something was loaded. Raises CheckpointError with a one-line reason.
+        """
+        if not self.enable:
+            if rank() == 0:
+                logger.info("Checkpoint: checkpoint.enable is off; nothing is loaded")
+            return False
+        plan = plan_load(self.folder, step, self.config)
+        if plan is None:
+            return False
+        begin = time.perf_counter()
+        if plan.hf:
+            loaded = hf.load_hf(plan.path, self.model, self.sd_adapter, self.exclude)
+        else:
+            loaded = load_dcp(plan.path, self.model, self.states, self.exclude, plan.model_only)
+        if rank() == 0:
+            logger.info(
+                f"Checkpoint: loaded {', '.join(loaded)} from {plan.path} ({plan.reason}) "
+                f"in {time.perf_counter() - begin:.2f} s"
+            )
+        return True
+
+    # --- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish and commit an in-flight async save, and wait for purging to end."""
+        self.saver.close()

@@ -1,0 +1,253 @@
+"""Writing checkpoints: synchronous and async DCP saves, the commit, and purging old ones.
+
+Each save is written to ``step-N.tmp``; once every rank finished writing, rank 0 commits it
+(``fs.commit_checkpoint``: marker + rename). Async saves run on their own gloo process group
+(DCP's collectives must not interleave with training collectives) and are committed when the
+background write has finished. ``SaveHooks`` are called at each phase (see hooks.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.checkpoint import fs
+from torchtitan.components.checkpoint.common import (
+    CheckpointError,
+    barrier,
+    quiet_dcp,
+    rank,
+    world_size,
+)
+from torchtitan.components.checkpoint.hooks import SaveHooks
+from torchtitan.tools.logging import logger
+
+
+@dataclass
+class InFlightSave:
+    """An async save whose background write may still be running."""
+
+    step: int
+    tmp: str
+    """The ``step-N.tmp`` folder being written."""
+    final: str
+    """The ``step-N`` folder it becomes when committed."""
+    upload: Any
+    """Future of the background write (``.result()`` raises its error)."""
+    staging: Any | None
+    """Future of the copy into pinned memory (None unless async_with_pinned_mem)."""
+    info: dict[str, Any]
+    """What the commit marker records (step, model_only, states, world_size)."""
+    begin: float
+    """``time.perf_counter()`` when the save started."""
+
+
+class _ObservedWriter(dcp.FileSystemWriter):
+    """A FileSystemWriter that reports when the data files are written, before ``.metadata``."""
+
+    def __init__(self, path: str, on_data_written: Callable[[], None]) -> None:
+        super().__init__(path)
+        self._on_data_written = on_data_written
+
+    def finish(self, metadata, results):  # runs on the coordinator before .metadata is written
+        self._on_data_written()
+        return super().finish(metadata, results)
+
+
+class CheckpointSaver:
+    """Writes, commits and purges the checkpoints of one folder.
+
+    Args:
+        folder: the checkpoint folder (``{dump_folder}/{checkpoint.folder}``).
+        keep_latest_k: complete checkpoints to keep (0: all).
+        async_mode: ``disabled``, ``async`` or ``async_with_pinned_mem`` (already validated).
+        background: whether async saves will happen (creates the gloo group and the stager).
+        hooks: called at each phase of a save; None: no hooks.
+    """
+
+    def __init__(
+        self,
+        folder: str,
+        keep_latest_k: int,
+        async_mode: str,
+        background: bool,
+        hooks: SaveHooks | None = None,
+    ) -> None:
+        self.folder = folder
+        self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.hooks = hooks if hooks is not None else SaveHooks()
+        self._observe_writes = hooks is not None
+        self._pg = None
+        self._stager = None
+        self.in_flight: InFlightSave | None = None
+        self._purge_thread: threading.Thread | None = None
+        if background:
+            if dist.is_initialized():
+                # DCP's collectives must not interleave with training collectives on one group.
+                self._pg = dist.new_group(backend="gloo")
+            if async_mode == "async_with_pinned_mem":
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                self._stager = DefaultStager(StagingOptions(True, False, True, True))
+
+    def _prepare_tmp(self, step: int) -> tuple[str, str]:
+        final = os.path.join(self.folder, fs.step_dir_name(step))
+        tmp = final + fs.TMP_SUFFIX
+        if rank() == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
+        return tmp, final
+
+    def _writer(self, tmp: str, step: int) -> dcp.FileSystemWriter:
+        if self._observe_writes:
+            return _ObservedWriter(tmp, lambda: self.hooks.data_written(step, tmp))
+        return dcp.FileSystemWriter(tmp)
+
+    def _commit(self, step: int, tmp: str, final: str, info: dict[str, Any]) -> None:
+        """Rank 0: write the marker, rename, tell the hooks."""
+        fs.commit_checkpoint(tmp, final, info)
+        self.hooks.after_commit(step, final)
+
+    def save_sync(
+        self,
+        step: int,
+        sd: dict[str, Any],
+        info: dict[str, Any],
+        export: Callable[[str], None] | None = None,
+    ) -> None:
+        """Write ``sd`` as ``step-N`` and commit it before returning. ``export(tmp)`` runs on
+        rank 0 after every rank has written and before the commit (its files are committed too).
+        Call only when no async save is in flight."""
+        begin = time.perf_counter()
+        tmp, final = self._prepare_tmp(step)
+        with quiet_dcp():
+            dcp.save(sd, storage_writer=self._writer(tmp, step), no_dist=not dist.is_initialized())
+        barrier()  # every rank has written its files
+        self.hooks.before_commit(step, tmp)
+        if rank() == 0:
+            if export is not None:
+                export(tmp)
+            self._commit(step, tmp, final, {**info, "world_size": world_size()})
+        barrier()
+        if rank() == 0:
+            kind = "model-only checkpoint" if info["model_only"] else "checkpoint"
+            logger.info(
+                f"Checkpoint: saved {kind} step-{step} to {final} in {time.perf_counter() - begin:.2f} s"
+            )
+            self.purge()
+
+    def save_async(self, step: int, sd: dict[str, Any], info: dict[str, Any]) -> None:
+        """Start writing ``sd`` in the background (after finishing the previous async save)."""
+        self.wait()
+        begin = time.perf_counter()
+        tmp, final = self._prepare_tmp(step)
+        kwargs: dict[str, Any] = {"no_dist": not dist.is_initialized()}
+        if self._pg is not None:
+            kwargs["process_group"] = self._pg
+        if self._stager is not None:
+            kwargs["async_stager"] = self._stager
+        with quiet_dcp():
+            result = dcp.async_save(sd, storage_writer=self._writer(tmp, step), **kwargs)
+        self.in_flight = InFlightSave(
+            step=step,
+            tmp=tmp,
+            final=final,
+            upload=getattr(result, "upload_completion", result),
+            staging=getattr(result, "staging_completion", None),
+            info={**info, "world_size": world_size()},
+            begin=begin,
+        )
+        if rank() == 0:
+            logger.info(
+                f"Checkpoint: async save of step-{step} started "
+                f"(blocked training {time.perf_counter() - begin:.2f} s)"
+            )
+
+    def _finish_in_flight(self) -> None:
+        job = self.in_flight
+        assert job is not None
+        self.in_flight = None
+        try:
+            job.upload.result()
+        except Exception as err:  # noqa: BLE001 - report the failed background write in one line
+            raise CheckpointError(
+                f"the async save of step-{job.step} to {job.tmp} failed: {err}; older "
+                "checkpoints are intact (check free disk space and permissions)"
+            ) from err
+        self.hooks.before_commit(job.step, job.tmp)
+        if rank() == 0:
+            # Rank 0's DCP finish gathered every rank's write results: all files are on disk.
+            self._commit(job.step, job.tmp, job.final, job.info)
+            logger.info(
+                f"Checkpoint: committed async step-{job.step} to {job.final} "
+                f"({time.perf_counter() - job.begin:.2f} s after it started)"
+            )
+            self.purge()
+
+    def wait(self) -> None:
+        """Finish and commit the in-flight async save, if any."""
+        if self.in_flight is not None:
+            self._finish_in_flight()
+
+    def maybe_wait_for_staging(self) -> None:
+        """Wait until an async save has copied the weights (pinned-memory mode), and commit a
+        background write that has finished."""
+        job = self.in_flight
+        if job is None:
+            return
+        if job.staging is not None:
+            job.staging.result()
+        if job.upload.done():
+            self._finish_in_flight()
+
+    def purge(self) -> None:
+        """Delete checkpoints beyond keep_latest_k (rank 0, in a background thread)."""
+        k = self.keep_latest_k
+        if k <= 0:
+            return
+        if self._purge_thread is not None:
+            self._purge_thread.join()
+        protect = [self.in_flight.tmp] if self.in_flight else []
+        doomed = fs.purge_candidates(self.folder, k, protect)
+        if not doomed:
+            return
+
+        def run() -> None:
+            for path in doomed:
+                logger.info(f"Checkpoint: keep_latest_k={k}: deleting {path}")
+                shutil.rmtree(path, ignore_errors=True)
+
+        self._purge_thread = threading.Thread(target=run, name="checkpoint-purge", daemon=True)
+        self._purge_thread.start()
+
+    def close(self) -> None:
+        """Finish and commit an in-flight async save, and wait for purging to end."""
+        try:
+            self.wait()
+        finally:
+            if self._purge_thread is not None:
+                self._purge_thread.join()
+                self._purge_thread = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+
+def save_dcp_single_process(state_dict: dict[str, Any], path: str, info: dict[str, Any]) -> None:
+    """Write ``state_dict`` as a committed DCP checkpoint at ``path`` from one process."""
+    tmp = path.rstrip("/") + fs.TMP_SUFFIX
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+    with quiet_dcp():
+        dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+    fs.commit_checkpoint(tmp, path, info)
