@@ -18,7 +18,7 @@ import torchtitan.distributed.fsdp as fsdp_mod
 from tests.distributed.harness import Layout, _job_config, tiny_args
 from torchtitan.distributed.fsdp import apply_fsdp, get_fsdp_mesh, resolve_reshard_after_forward
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import check_tp_heads, maybe_enable_async_tp
+from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import parallelize_llama
 
@@ -148,8 +148,10 @@ def test_cpu_offload_and_mixed_precision(shard_calls):
 
 
 def test_ddp_when_only_replicating():
+    from torch.distributed._composable.replicate import replicate
+
     model, _ = _build(Layout("ddp", dp_replicate=8))
-    assert type(model).__name__ == "DDPTransformer"
+    assert replicate.state(model) is not None  # DDP's state is registered on the model
     assert not isinstance(model, FSDPModule)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -177,23 +179,14 @@ def test_fsdp_meshes():
     "tp,heads,match",
     [
         (4, (4, 2), "must divide the model's n_kv_heads=2"),
+        (8, (8, 4), "must divide the model's n_kv_heads=4"),
         (8, (4, 4), "must divide the model's n_heads=4"),
     ],
 )
 def test_tp_must_divide_heads(tp, heads, match):
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=tp)
     with pytest.raises(ValueError, match=f"parallelism.tensor_parallel_degree={tp} {match}"):
-        check_tp_heads(tp, *heads)
-
-
-def test_parallelize_rejects_tp_not_dividing_kv_heads_before_any_change():
-    # tiny flavor: 4 heads, 2 kv heads; tp=4 divides n_heads but not n_kv_heads
-    cfg = _job_config(Layout("tp4", dp_shard=2, tp=4))
-    dims = ParallelDims.from_config(cfg.parallelism, WORLD)  # no mesh needed: fails first
-    with torch.device("meta"):
-        model = Transformer(tiny_args())
-    with pytest.raises(ValueError, match="n_kv_heads=2"):
-        parallelize_llama(model, dims, cfg)
-    assert not any(isinstance(p, DTensor) for p in model.parameters())
+        dims.validate_for_model(n_heads=heads[0], n_kv_heads=heads[1], n_layers=2, seq_len=64)
 
 
 def test_async_tp_requirements():
