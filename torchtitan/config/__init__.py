@@ -4,26 +4,26 @@
 ``python -m torchtitan.config.manager`` runs without a double-import warning.
 """
 
-from importlib import import_module
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 
-_LAZY_EXPORTS = {
-    "ConfigError": "torchtitan.config.errors",
-    "ConfigManager": "torchtitan.config.manager",
-    "config_save_path": "torchtitan.config.toml_io",
-    "config_to_toml": "torchtitan.config.toml_io",
-    "parse_args_or_exit": "torchtitan.config.manager",
-    "reject_planned_settings": "torchtitan.config.planned",
-    "save_config": "torchtitan.config.toml_io",
-}
+_MANAGER_EXPORTS = (
+    "ConfigError",
+    "ConfigManager",
+    "config_save_path",
+    "config_to_toml",
+    "parse_args_or_exit",
+    "reject_planned_settings",
+    "save_config",
+)
 
-__all__ = ["JobConfig", *_LAZY_EXPORTS]
+__all__ = ["JobConfig", *_MANAGER_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is not None:
-        return getattr(import_module(module), name)
+    if name in _MANAGER_EXPORTS:
+        import torchtitan.config.manager as manager
+
+        return getattr(manager, name)
     raise AttributeError(f"module 'torchtitan.config' has no attribute {name!r}")
