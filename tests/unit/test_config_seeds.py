@@ -39,17 +39,29 @@ def seed_text(prefix: str) -> str:
     return path.read_text()
 
 
+# Test ids name the document, not its file number.
+BLOCK_NAMES = {
+    "000": "2024-era-debugging-doc",
+    "002": "debugging-doc-repeat",
+    "003": "2024-era-training-notes",
+    "004": "2024-era-api-readme",
+}
+
 needs_seeds = pytest.mark.skipif(not SEEDS.is_dir(), reason="../shared/seeds is not present")
 
 
 @needs_seeds
-@pytest.mark.parametrize(("prefix", "asset"), sorted(SEED_BLOCKS.items()))
-def test_asset_copies_equal_the_seed_blocks(prefix, asset):
+@pytest.mark.parametrize(
+    ("prefix", "asset"),
+    sorted(SEED_BLOCKS.items()),
+    ids=[BLOCK_NAMES[k] for k in sorted(SEED_BLOCKS)],
+)
+def test_asset_copies_equal_the_docs_toml_blocks(prefix, asset):
     assert toml_blocks(seed_text(prefix)) == [(ASSETS / asset).read_text()]
 
 
 @needs_seeds
-def test_no_seed_has_an_uncopied_toml_block():
+def test_no_docs_toml_block_is_left_uncopied():
     for path in sorted(SEEDS.glob("*.txt")):
         if toml_blocks(path.read_text()):
             assert path.name[:3] in SEED_BLOCKS, path.name
@@ -59,8 +71,12 @@ def parse(*args: str):
     return ConfigManager().parse_args(list(args))
 
 
-@pytest.mark.parametrize("asset", ["seed003_config.toml", "seed004_config.toml"])
-def test_legacy_seed_configs_load_unchanged(asset):
+@pytest.mark.parametrize(
+    "asset",
+    ["seed003_config.toml", "seed004_config.toml"],
+    ids=["2024-era-training-notes", "2024-era-api-readme"],
+)
+def test_2024_era_toml_configs_load_unchanged(asset):
     cfg = parse("--job.config_file", str(ASSETS / asset))
     assert cfg.job.description == "Llama 3 debug training"
     assert cfg.job.use_for_integration_test is True
@@ -90,7 +106,7 @@ def test_legacy_seed_configs_load_unchanged(asset):
     assert cfg.model.converters == []  # enable_float8_linear = false
 
 
-def test_seed_bool_block_and_its_cli_overrides():
+def test_docs_bool_override_block_and_its_cli_overrides():
     path = str(ASSETS / "seed000_bool_override.toml")
     assert parse("--job.config_file", path).profiling.enable_memory_snapshot is True
     for off in ("--profiling.no_enable_memory_snapshot", "--profiling.no-enable-memory-snapshot"):
@@ -122,11 +138,14 @@ SEED_FLAGS = {
     ],
 }
 CASES = [(seed, flags) for seed, lines in SEED_FLAGS.items() for flags in lines]
+# Test ids name the document, not its file number.
+DOC_NAMES = {"000": "2024-era-debugging-doc", "001": "config-registry-debugging-doc"}
+CASE_IDS = [f"{DOC_NAMES[seed]}-{i}" for i, (seed, _) in enumerate(CASES)]
 
 
 @needs_seeds
-@pytest.mark.parametrize(("seed", "flags"), CASES)
-def test_flags_appear_verbatim_in_the_seed(seed, flags):
+@pytest.mark.parametrize(("seed", "flags"), CASES, ids=CASE_IDS)
+def test_command_lines_appear_verbatim_in_the_docs(seed, flags):
     assert flags in seed_text(seed)
 
 
@@ -158,8 +177,8 @@ def _check(cfg, flags: str) -> None:
         assert cfg.parallelism.data_parallel_shard_degree == 2
 
 
-@pytest.mark.parametrize(("seed", "flags"), CASES)
-def test_seed_flags_parse(tmp_path, seed, flags):
+@pytest.mark.parametrize(("seed", "flags"), CASES, ids=CASE_IDS)
+def test_docs_command_lines_parse(tmp_path, seed, flags):
     debug = tmp_path / "debug_model.toml"
     debug.write_text("[training]\nsteps = 10\nlocal_batch_size = 2\n")
     argv = shlex.split(flags.replace("\\\n", " "))  # the shell's line continuation
@@ -167,7 +186,7 @@ def test_seed_flags_parse(tmp_path, seed, flags):
     _check(cfg, flags)
 
 
-def test_seed_tool_commands(capsys, monkeypatch):
+def test_docs_config_tool_commands(capsys, monkeypatch):
     """The seeds' config-manager commands, with the bundled configs when they exist."""
     monkeypatch.chdir(REPO)
     commands = [
