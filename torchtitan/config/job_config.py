@@ -2,7 +2,8 @@
 
 Each field's docstring (the string literal under it) is its ``--help`` text.
 Fields whose feature lands later still exist here with their defaults, so a TOML
-written today never needs rewriting.
+written today never needs rewriting; they are listed in ``planned.py`` (PLANNED_FIELDS), and
+programs that run a job refuse a non-default value for them.
 """
 
 from __future__ import annotations
