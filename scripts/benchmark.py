@@ -37,7 +37,7 @@ def _time_steps(step_fn, steps: int, warmup: int, sync) -> list[float]:
 def bare_loop_step_fn(trainer, batches):
     """A step of a plain PyTorch loop on a fresh copy of the trainer's model (no framework)."""
     cfg = trainer.job_config
-    model = trainer.model_spec.model_cls(trainer.model_args).to(trainer.device)
+    model = trainer.run.model_spec.model_cls(trainer.run.model_args).to(trainer.device)
     with torch.no_grad():
         model.init_weights()
     if cfg.training.dtype == "bfloat16":
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     step_s = statistics.median(times)
     tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.gradient_accumulation_steps
     tps = tokens / step_s
-    tflops = trainer.flops_per_token * tps / 1e12
+    tflops = trainer.run.flops_per_token * tps / 1e12
     peak = trainer.metrics.peak_flops
     mem = trainer.metrics.memory_monitor.get_peak_stats()
     result = {

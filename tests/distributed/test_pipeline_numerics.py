@@ -3,7 +3,7 @@
 A 4-layer tiny Llama (fp32) starts from the same full state dict in every run, sees the same
 global batch per step (dp ranks take contiguous slices, tp/pp ranks of one dp rank share them)
 and uses the trainer's loss definition: summed token CE times ``dp / global_tokens`` (the PP
-schedule applies it per microbatch through ``ScaledLoss``), AdamW, ``clip_grad_norm_`` (max norm
+schedule applies it per microbatch through the ``Pipeline`` object), AdamW, ``clip_grad_norm_`` (max norm
 0.5, acting on every step) reduced over pp. Checked against a single-process reference:
   * per-step loss and grad norm, and a forward-only (validation) loss between steps 3 and 4:
     rtol 1e-5, atol 1e-5 (measured <= 1e-6). Microbatching and sharding only reorder fp32 sums;
@@ -31,7 +31,6 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import ScaledLoss, pipeline_step
 from torchtitan.distributed.tensor_parallel import maybe_loss_parallel
 from torchtitan.models.llama3.model import Transformer
 
@@ -151,16 +150,14 @@ def run_case(case: Case) -> Result:
     args = pp_args()
     with torch.device("meta"):
         model = Transformer(args)
-    loss_fn = ScaledLoss(cross_entropy_loss_sum)
     result = Result()
+    pipeline = None
     if case.pp > 1:
-        schedule, parts, has_first, has_last = pipeline_llama(
-            model, dims, cfg, torch.device("cpu"), args, parallelize_llama, loss_fn
+        pipeline = pipeline_llama(
+            model, dims, cfg, torch.device("cpu"), args, parallelize_llama, cross_entropy_loss_sum
         )
-        result.stage_ids = tuple(
-            getattr(s, "stage_index", -1)
-            for s in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)])
-        )
+        parts = pipeline.model_parts
+        result.stage_ids = tuple(stage.stage_index for stage in pipeline.stages)
     else:
         parts = [parallelize_llama(model, dims, cfg)]
     for part in parts:
@@ -181,18 +178,17 @@ def run_case(case: Case) -> Result:
     lp = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     params = [p for part in parts for p in part.parameters()]
 
+    scale = dp / float(GLOBAL_BATCH * SEQ_LEN)
+
     def forward_loss(inputs, labels, train: bool) -> torch.Tensor:
+        """This rank's share of the scaled loss (0 on pp ranks without the last stage)."""
         with maybe_loss_parallel(lp):
-            if case.pp > 1:
-                return pipeline_step(
-                    schedule,
-                    inputs,
-                    labels,
-                    has_first_stage=has_first,
-                    has_last_stage=has_last,
-                    train=train,
-                )
-            out = loss_fn(parts[0](inputs), labels)
+            if pipeline is not None and train:
+                return pipeline.train_step(inputs, labels, scale)
+            if pipeline is not None:  # eval_loss is the same on every pp rank: count it once
+                total = pipeline.eval_loss(inputs, labels) * scale
+                return total if pipeline.has_last_stage else torch.zeros_like(total)
+            out = cross_entropy_loss_sum(parts[0](inputs), labels) * scale
             if train:
                 out.backward()
             return out.detach()
@@ -206,7 +202,6 @@ def run_case(case: Case) -> Result:
         rows = slice(dp_rank * rows_per_rank, (dp_rank + 1) * rows_per_rank)
         chunks = zip(inputs[rows].chunk(case.grad_accum), labels[rows].chunk(case.grad_accum))
         optimizers.zero_grad()
-        loss_fn.scale = dp / float(GLOBAL_BATCH * SEQ_LEN)
         local = sum(forward_loss(x, y, train=True) for x, y in chunks)
         norm = dist_utils.clip_grad_norm_(params, MAX_NORM, foreach=True, pp_mesh=pp_mesh)
         optimizers.step()
@@ -216,7 +211,6 @@ def run_case(case: Case) -> Result:
             checkpointer.save(step + 1, force=True)
         if step + 1 == EVAL_AFTER:  # validation between training steps
             x, y = global_batch(EVAL_STEP)
-            loss_fn.scale = dp / float(GLOBAL_BATCH * SEQ_LEN)
             with torch.no_grad():
                 result.eval_loss = global_mean(forward_loss(x[rows], y[rows], train=False))
     if checkpointer is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.comm_mode import CommMode, get_comm_mode
+from torchtitan.distributed.comm_mode import COMM_MODES, comm_mode_from_env, get_comm_mode
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,20 +116,20 @@ def _dims(**degrees) -> ParallelDims:
 )
 def test_refusals_name_the_parallelism(mode, degrees, refused):
     with pytest.raises(ParallelismError, match=rf"COMM_MODE={mode} cannot run {refused}"):
-        CommMode(mode, degrees["world_size"]).check(_dims(**degrees), JobConfig())
+        COMM_MODES[mode](degrees["world_size"]).prepare(JobConfig(), _dims(**degrees))
 
 
 def test_local_tensor_refuses_compile():
     cfg = JobConfig()
     cfg.compile.enable = True
     with pytest.raises(ParallelismError, match=r"torch.compile \(compile.enable\)"):
-        CommMode("local_tensor", 4).check(_dims(world_size=4), cfg)
+        COMM_MODES["local_tensor"](4).prepare(cfg, _dims(world_size=4))
 
 
 def test_fake_backend_turns_off_checkpoint_and_validation():
     cfg = JobConfig()
     cfg.checkpoint.enable = cfg.validation.enable = cfg.metrics.enable_tensorboard = True
-    CommMode("fake_backend", 8).adjust_config(cfg)
+    COMM_MODES["fake_backend"](8).prepare(cfg, _dims(world_size=8))
     assert not (cfg.checkpoint.enable or cfg.validation.enable or cfg.metrics.enable_tensorboard)
 
 
@@ -137,7 +137,10 @@ def test_comm_mode_env(monkeypatch):
     monkeypatch.setenv("COMM_MODE", "")
     assert get_comm_mode() is None
     monkeypatch.setenv("COMM_MODE", "local_tensor")
-    assert CommMode.from_env(16).mode == "local_tensor"
+    assert comm_mode_from_env(16).name == "local_tensor"
+    monkeypatch.delenv("COMM_MODE")
+    real = comm_mode_from_env(1)
+    assert real.name == "torchrun" and real.computes_values
     monkeypatch.setenv("COMM_MODE", "fake")
     with pytest.raises(ValueError, match="COMM_MODE='fake' is not a comm mode"):
         get_comm_mode()

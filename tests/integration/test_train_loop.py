@@ -41,35 +41,41 @@ def test_global_batch_must_be_multiple(tmp_path):
 
 
 def test_nan_loss_stops_with_step_and_skips_update(tmp_path, monkeypatch):
-    from tests.integration import trainer_utils
+    """A NaN at step 3 stops the run naming the step, and the weights stay those of step 2."""
+    import torchtitan.step as step_module
+    from tests.integration.trainer_utils import TINY, RecordingTrainer
+    from torchtitan.config.manager import ConfigManager
 
-    original = trainer_utils.RecordingTrainer.forward_backward
+    cfg = ConfigManager().parse_args([*TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "5"])
+    trainer = RecordingTrainer(cfg)
+    original = step_module.forward_backward
+    before_step_3 = {}
 
-    def poisoned(self, inputs, labels, loss_scale):
-        loss = original(self, inputs, labels, loss_scale)
-        if self.step == 3:
-            for p in self.model_parts[0].parameters():
+    def poisoned(run, inputs, labels, loss_scale):
+        loss = original(run, inputs, labels, loss_scale)
+        if trainer.step == 3:
+            if not before_step_3:  # gradients exist now; the weights are still step 2's
+                before_step_3.update(
+                    {k: v.detach().clone() for k, v in run.model_parts[0].state_dict().items()}
+                )
+            for p in run.model_parts[0].parameters():
                 p.grad.fill_(float("nan"))
             return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(trainer_utils.RecordingTrainer, "forward_backward", poisoned)
-    snapshot = {}
-
-    original_step = trainer_utils.RecordingTrainer.train_step
-
-    def recording_step(self, it):
-        if self.step == 3:
-            snapshot.update({k: v.detach().clone() for k, v in self.model_parts[0].state_dict().items()})
-            self.snapshot_model = self.model_parts[0]
-        return original_step(self, it)
-
-    monkeypatch.setattr(trainer_utils.RecordingTrainer, "train_step", recording_step)
-    with pytest.raises(TrainingError, match=r"loss became nan .* at step 3; the optimizer step was skipped"):
-        run_tiny(tmp_path, "--training.steps", "5")
-    # The parameters were not touched by the poisoned step.
-    assert snapshot
-    assert all(torch.isfinite(v).all() for v in snapshot.values())
+    monkeypatch.setattr(step_module, "forward_backward", poisoned)
+    try:
+        with pytest.raises(
+            TrainingError, match=r"loss became nan .* at step 3; the optimizer step was skipped"
+        ):
+            trainer.train()
+        after = trainer.model_parts[0].state_dict()
+        assert before_step_3 and set(after) == set(before_step_3)
+        for name, value in before_step_3.items():
+            assert torch.equal(after[name], value), f"{name} changed by the failed step"
+        assert len(trainer.history) == 2  # steps 1 and 2 finished, step 3 did not
+    finally:
+        trainer.close()
 
 
 def test_validation_loop(tmp_path, caplog):
@@ -106,15 +112,15 @@ def test_tensorboard_from_trainer(tmp_path):
     ],
 )
 def test_planned_features_fail_clearly(kw, flags, needle):
+    from torchtitan.build import reject_planned_features
     from torchtitan.config.job_config import Parallelism
     from torchtitan.config.manager import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.train import _reject_planned_features
 
     cfg = ConfigManager().parse_args(flags)
     dims = ParallelDims.from_config(Parallelism(**kw), 2)
     with pytest.raises(ValueError, match=needle):
-        _reject_planned_features(cfg, dims)
+        reject_planned_features(cfg, dims)
 
 
 def test_bfloat16_training_dtype(tmp_path):

@@ -21,11 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "torchtitan"
 
-ALLOWED_CYCLES: list[set[str]] = [
-    # removed by the build-path refactor
-    {"torchtitan.distributed.comm_mode", "torchtitan.distributed.utils"},
-]
-"""Cycles that exist today outside torchtitan/config, each listed with its exact modules."""
+
 
 
 def module_files(root: Path = REPO) -> dict[str, Path]:
@@ -170,30 +166,9 @@ def graph() -> dict[str, set[str]]:
     return import_graph()
 
 
-def test_no_new_import_cycles(graph):
+def test_no_import_cycles(graph):
     cycles = import_cycles(graph)
-    print(f"import cycles among torchtitan modules: {describe(graph, cycles)}")
-    new = [c for c in cycles if set(c) not in ALLOWED_CYCLES]
-    assert not new, f"new import cycles: {describe(graph, new)}"
-
-
-def test_config_package_has_no_import_cycle(graph):
-    config = [c for c in import_cycles(graph) if any(m.startswith("torchtitan.config") for m in c)]
-    assert not config, describe(graph, config)
-
-
-def test_allowed_cycles_are_outside_the_config_package():
-    assert not any(m.startswith("torchtitan.config") for c in ALLOWED_CYCLES for m in c)
-
-
-@pytest.mark.xfail(
-    bool(ALLOWED_CYCLES),
-    reason="allow-listed cycles remain until the build-path refactor",
-    strict=False,  # passes as soon as the refactor lands; then empty ALLOWED_CYCLES
-)
-def test_no_import_cycles_at_all(graph):
-    cycles = import_cycles(graph)
-    assert not cycles, describe(graph, cycles)
+    assert not cycles, f"import cycles among torchtitan modules: {describe(graph, cycles)}"
 
 
 def test_cycle_finder_sees_function_level_and_relative_imports(tmp_path):

@@ -23,7 +23,7 @@ def test_console_line_shape(caplog, dump_folder):
     cfg = JobConfig()
     cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.disable_color_printing = True
-    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
     mp.num_flops_per_token = 1e6
     mp.ntokens_since_last_log = 4096
     mp.data_loading_times.append(0.001)
@@ -50,7 +50,7 @@ def test_tensorboard_writes_events(dump_folder):
     cfg = JobConfig()
     cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.enable_tensorboard = True
-    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
     for step in (1, 2):
         mp.ntokens_since_last_log = 100
         mp.log(step, 5.0 - step, 1.0, 1e-3)
@@ -74,7 +74,7 @@ def test_wandb_offline(dump_folder, monkeypatch):
     cfg = JobConfig()
     cfg.job.dump_folder = str(dump_folder)
     cfg.metrics.enable_wandb = True
-    mp = MetricsProcessor(cfg, rank=0, owns_loss=True)
+    mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
     mp.ntokens_since_last_log = 10
     mp.log(1, 3.0, 1.0, 1e-3)
     mp.close()

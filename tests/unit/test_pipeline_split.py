@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig, Parallelism
-from torchtitan.distributed.pipeline_parallel import (
+from torchtitan.distributed.pipeline import (
     SCHEDULES,
-    ScaledLoss,
     check_microbatches,
     generate_fqns_per_stage,
     get_schedule_class,
@@ -343,7 +342,7 @@ def test_pipeline_llama_rejects_tied_embeddings():
         model = Transformer(args)
     with pytest.raises(ValueError, match="tied input/output embeddings"):
         pipeline_llama(
-            model, _stub_dims(), _job(), torch.device("cpu"), args, None, ScaledLoss(None)
+            model, _stub_dims(), _job(), torch.device("cpu"), args, None, None
         )
 
 
@@ -357,14 +356,8 @@ def test_pipeline_llama_rejects_too_few_microbatches_before_building_stages():
             torch.device("cpu"),
             args,
             None,
-            ScaledLoss(None),
+            None,
         )
-
-
-def test_scaled_loss_multiplies_by_the_current_scale():
-    loss = ScaledLoss(lambda pred, labels: (pred - labels).sum())
-    loss.scale = 0.25
-    assert loss(torch.tensor([3.0]), torch.tensor([1.0])).item() == 0.5
 
 
 def test_pipeline_llama_rejects_ddp():
@@ -377,5 +370,5 @@ def test_pipeline_llama_rejects_ddp():
             torch.device("cpu"),
             args,
             None,
-            ScaledLoss(None),
+            None,
         )

@@ -69,16 +69,13 @@ class WandBLogger(BaseLogger):
 class MetricsProcessor:
     """Accumulates per-step counters and emits the metrics of each logged step."""
 
-    def __init__(self, job_config: JobConfig, *, rank: int, owns_loss: bool) -> None:
+    def __init__(self, job_config: JobConfig, *, rank: int, compute_dtype: str) -> None:
+        """``compute_dtype`` is the dtype the model's matmuls run in (``build.compute_dtype``):
+        MFU is measured against the device's peak for that dtype."""
         self.cfg = job_config.metrics
         self.color = _Color(not self.cfg.disable_color_printing)
         self.memory_monitor = MemoryMonitor()
-        dtype = (
-            job_config.training.mixed_precision_param
-            if _uses_fsdp_mixed_precision(job_config)
-            else job_config.training.dtype
-        )
-        self.peak_flops = get_peak_flops(dtype)
+        self.peak_flops = get_peak_flops(compute_dtype)
         self.num_flops_per_token = 0.0
         # Ranks that split one batch's work (tp x cp x pp): tokens/s is reported per device.
         self.tokens_divisor = 1
@@ -86,7 +83,7 @@ class MetricsProcessor:
         self.data_loading_times: list[float] = []
         self.time_last_log = time.perf_counter()
         self.sinks: list[BaseLogger] = []
-        write = owns_loss or self.cfg.save_for_all_ranks
+        write = rank == 0 or self.cfg.save_for_all_ranks
         base = os.path.join(job_config.job.dump_folder, self.cfg.save_tb_folder)
         stamp = datetime.now().strftime("%Y%m%d-%H%M")
         suffix = f"rank_{rank}" if self.cfg.save_for_all_ranks else ""
@@ -156,8 +153,3 @@ class MetricsProcessor:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
-
-
-def _uses_fsdp_mixed_precision(job_config: JobConfig) -> bool:
-    p = job_config.parallelism
-    return p.data_parallel_shard_degree != 1 or p.data_parallel_replicate_degree > 1

@@ -1,8 +1,9 @@
-"""Validation loop: mean token loss over a finite validation set."""
+"""Validation loop: mean token loss over a finite validation set (pipelined or not)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -11,38 +12,59 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed.utils import dist_reduce
 
+if TYPE_CHECKING:
+    from torchtitan.build import RunParts
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class Validator:
-    """Runs the model over a validation dataloader every ``freq`` steps."""
+    """Runs the model over a validation dataloader every ``freq`` steps.
+
+    ``batch_loss(inputs, labels)`` returns one batch's summed token loss: the model's forward
+    and the loss function, or a forward-only pass through pipeline stages.
+    """
 
     def __init__(
         self,
         build_dataloader: Callable[[], Iterable],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batch_loss: BatchLoss,
         *,
         freq: int,
         steps: int,
         device: torch.device,
         dp_mesh: DeviceMesh | None,
-        train_context: Callable,
+        loss_context: Callable,
     ) -> None:
         self.build_dataloader = build_dataloader
-        self.loss_fn = loss_fn
+        self.batch_loss = batch_loss
         self.freq = freq
         self.steps = steps
         self.device = device
         self.dp_mesh = dp_mesh
-        self.train_context = train_context
+        self.loss_context = loss_context
 
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module]) -> float:
-        """Mean loss per valid token over ``steps`` batches (or the whole set when steps == -1)."""
-        model = model_parts[0]
+        """Mean loss per valid token over ``steps`` batches (or the whole set when steps == -1).
+
+        ``model_parts`` are switched to eval mode for the pass and back to train mode after.
+        """
         for part in model_parts:
             part.eval()
+        try:
+            loss_sum, tokens = self._sum_losses()
+        finally:
+            for part in model_parts:
+                part.train()
+        total_loss = dist_reduce(loss_sum, "sum", self.dp_mesh)
+        total_tokens = dist_reduce(tokens, "sum", self.dp_mesh)
+        return total_loss / max(total_tokens, 1.0)
+
+    def _sum_losses(self) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         # Each dp rank may hold a different number of batches, so every rank keeps stepping
@@ -57,17 +79,45 @@ class Validator:
             if batch is None:
                 continue
             inputs, labels = (t.to(self.device) for t in batch)
-            with self.train_context():
-                pred = model(inputs)
-                loss_sum += self.loss_fn(pred, labels).double()
+            with self.loss_context():
+                loss_sum += self.batch_loss(inputs, labels).double()
             tokens += (labels != IGNORE_INDEX).sum()
-        for part in model_parts:
-            part.train()
-        total_loss = dist_reduce(loss_sum, "sum", self.dp_mesh)
-        total_tokens = dist_reduce(tokens, "sum", self.dp_mesh)
-        return total_loss / max(total_tokens, 1.0)
+        return loss_sum, tokens
 
     def _any_rank_has(self, has_batch: bool) -> bool:
         if self.dp_mesh is None:
             return has_batch
         return dist_reduce(float(has_batch), "max", self.dp_mesh) > 0
+
+
+def build_validator(run: RunParts) -> Validator:
+    """The ``[validation]`` section's validator for ``run`` (through its pipeline under PP)."""
+    from torchtitan.distributed.pipeline.evaluation import local_value
+    from torchtitan.step import loss_context
+
+    val = run.job_config.validation
+    dp_rank = run.parallel_dims.mesh_local_rank("dp")
+
+    def build():
+        return run.build_dataloader(
+            val.dataset, val.dataset_path, val.local_batch_size, val.seq_len, dp_rank,
+            infinite=False,
+        )
+
+    if run.pipeline is not None:
+        batch_loss = run.pipeline.eval_loss
+    else:
+        model, loss_fn = run.model_parts[0], run.loss_fn
+
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return local_value(loss_fn(model(inputs), labels))
+
+    return Validator(
+        build,
+        batch_loss,
+        freq=val.freq,
+        steps=val.steps,
+        device=run.device,
+        dp_mesh=run.loss_mesh,
+        loss_context=lambda: loss_context(run),
+    )

@@ -8,7 +8,9 @@ training loop that normalises by the global token count itself.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -189,6 +191,21 @@ def apply_ddp(
     return model
 
 
+_override: Callable[..., nn.Module] | None = None
+
+
+@contextlib.contextmanager
+def data_parallel_override(apply: Callable[..., nn.Module]) -> Iterator[None]:
+    """Within this context :func:`apply_data_parallel` calls ``apply(model, parallel_dims,
+    param_dtype=..., reduce_dtype=..., cpu_offload=...)`` instead of FSDP/DDP."""
+    global _override
+    previous, _override = _override, apply
+    try:
+        yield
+    finally:
+        _override = previous
+
+
 def apply_data_parallel(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -201,8 +218,8 @@ def apply_data_parallel(
 ) -> nn.Module:
     """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1, else nothing.
 
-    Under COMM_MODE=local_tensor (LocalTensorMode, where ``fully_shard`` cannot run) the same
-    layouts use gather-on-use DTensor parameters instead.
+    Inside :func:`data_parallel_override` the given function is applied instead (e.g.
+    gather-on-use DTensor parameters under LocalTensorMode, where ``fully_shard`` cannot run).
     """
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         if parallel_dims.tp_enabled:
@@ -211,16 +228,11 @@ def apply_data_parallel(
                 "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
                 "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
             )
-    from torchtitan.distributed.comm_mode import (
-        active_local_tensor_ranks,
-        apply_local_data_parallel,
-    )
-
-    if active_local_tensor_ranks() is not None:
-        if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
-            return model
-        mp_dtype = param_dtype if parallel_dims.fsdp_enabled else None
-        return apply_local_data_parallel(model, parallel_dims, mp_dtype)
+    if _override is not None:
+        return _override(
+            model, parallel_dims, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload,
+        )
     fsdp_mesh = get_fsdp_mesh(parallel_dims)
     if fsdp_mesh is not None:
         return apply_fsdp(

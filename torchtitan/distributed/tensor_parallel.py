@@ -68,16 +68,6 @@ def block_tp_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def check_tp_heads(tp_degree: int, n_heads: int, n_kv_heads: int) -> None:
-    """Raise ValueError unless ``tp_degree`` divides both head counts."""
-    for name, count in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if count % tp_degree:
-            raise ValueError(
-                f"parallelism.tensor_parallel_degree={tp_degree} must divide the model's "
-                f"{name}={count}; lower the TP degree or pick another flavor"
-            )
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> nn.Module:
     """Apply the TP/SP plans to ``model`` (works on a meta-device model).
 

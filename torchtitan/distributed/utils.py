@@ -118,11 +118,11 @@ def set_determinism(
 
 def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
     """Reduce a scalar across ``mesh`` (sum / mean / max); identity without a mesh."""
+    if _is_fake(value):  # shapes only (COMM_MODE=fake_backend, memory estimation)
+        return math.nan
     if mesh is None:
         return float(torch.as_tensor(value, dtype=torch.float64))
-    from torchtitan.distributed.comm_mode import as_replicated_local_tensor
-
-    value = as_replicated_local_tensor(value)  # COMM_MODE=local_tensor: reduce simulated ranks
+    value = _per_simulated_rank(value)
     t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if isinstance(value, DTensor):
         t = value.full_tensor().double()
@@ -133,6 +133,46 @@ def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -
     if op == "mean":
         t /= mesh.size()
     return float(t)
+
+
+def scalar_value(value: torch.Tensor | float) -> float:
+    """A Python float of a scalar tensor (DTensors in full); NaN for a fake tensor."""
+    if _is_fake(value):
+        return math.nan
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return float(value)
+
+
+def _is_fake(value: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, DTensor):
+        value = value._local_tensor
+    return isinstance(value, FakeTensor)
+
+
+def _per_simulated_rank(value: object) -> object:
+    """Under LocalTensorMode (ranks simulated in one process), ``value`` as a LocalTensor so
+    the collective combines the simulated ranks: a number or plain tensor is the same on every
+    rank, a per-rank SymInt keeps its per-rank values. Unchanged otherwise."""
+    from torch.distributed._local_tensor import (
+        LocalIntNode,
+        LocalTensor,
+        local_tensor_mode,
+        maybe_disable_local_tensor_mode,
+    )
+
+    mode = local_tensor_mode()
+    if mode is None or isinstance(value, (LocalTensor, DTensor)):
+        return value
+    ranks = sorted(mode.ranks)
+    with maybe_disable_local_tensor_mode():
+        if isinstance(value, torch.SymInt) and isinstance(value.node, LocalIntNode):
+            ints = value.node._local_ints
+            return LocalTensor({r: torch.tensor(float(ints[r]), dtype=torch.float64) for r in ranks})
+        t = torch.as_tensor(value, dtype=torch.float64).detach()
+        return LocalTensor({r: t.clone() for r in ranks})
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ import copy
 import difflib
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -72,13 +72,10 @@ class ModelSpec:
     pipelining_fn: Callable[..., Any] | None
     build_tokenizer_fn: Callable[..., Any] | None
     build_dataloader_fn: Callable[..., Any] | None
-    build_loss_fn: Callable[..., Any] | None
+    build_loss_fn: Callable[..., Any]
+    """``build_loss_fn(compile: bool, backend: str)`` -> summed token loss ``fn(pred, labels)``."""
     state_dict_adapter: Any | None = None
     """HF <-> torchtitan state-dict converter class (None: not available)."""
-    build_optimizers_fn: Callable[..., Any] | None = None
-    """None: the trainer's default optimizer builder."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Family-specific extras (free-form)."""
 
     @property
     def flavors(self) -> list[str]:

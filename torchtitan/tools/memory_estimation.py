@@ -149,19 +149,16 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimate ``rank``'s peak memory for ``job_config`` on ``world_size`` ranks.
 
-    Needs no process group (it makes and removes a fake one). ``fake=None`` follows
+    Builds the run with ``build_run`` on a fake process group (``FakeBackend``) and runs
+    ``steps`` training steps of the trainer's own step functions under the tracker. Needs no
+    process group (it makes and removes a fake one). ``fake=None`` follows
     ``memory_estimation.disable_fake_mode``. Raises ValueError for what it cannot estimate
     (pipeline parallel) and ParallelismError for impossible layouts.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.components.lr_scheduler import build_lr_schedulers
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.distributed.comm_mode import _shape_only_init, init_fake_process_group
+    from torchtitan.build import build_run
+    from torchtitan.distributed.comm_mode import FakeBackend
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models import get_model_spec
+    from torchtitan.step import compute_gradients, optimizer_step
     from torchtitan.tools.device import device_type
 
     start = time.perf_counter()
@@ -170,7 +167,11 @@ def estimate_memory(
         fake = not cfg.memory_estimation.disable_fake_mode
     if cfg.compile.enable:
         logger.warning("memory estimation runs without torch.compile (compile.enable ignored)")
-        cfg.compile.enable = False
+    # An estimate writes nothing and measures the training step only.
+    cfg.compile.enable = cfg.checkpoint.enable = cfg.validation.enable = False
+    cfg.metrics.enable_tensorboard = cfg.metrics.enable_wandb = False
+    cfg.job.print_config, cfg.job.save_config_file = False, None
+    cfg.training.steps = max(cfg.training.steps, steps)
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
     if parallel_dims.pp_enabled:
         raise ValueError(
@@ -179,74 +180,31 @@ def estimate_memory(
         )
     if dist.is_initialized():
         raise RuntimeError("estimate_memory needs a process without a process group")
-    spec = get_model_spec(cfg.model.name)
-    model_args = spec.get_model_args(cfg.model.flavor)
-    tokenizer = None
-    with contextlib.suppress(Exception):
-        tokenizer = spec.build_tokenizer_fn(cfg.model)
-    model_args.update_from_config(cfg, tokenizer=tokenizer)
-    parallel_dims.validate_for_model(
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.n_kv_heads or model_args.n_heads,
-        n_layers=model_args.n_layers,
-        seq_len=cfg.training.seq_len,
-    )
     device = torch.device("cpu") if fake else torch.device(device_type)
-    init_fake_process_group(world_size, rank)
+    mode = FakeBackend(world_size, rank, fake_tensors=fake, label="memory estimation")
     try:
-        parallel_dims.build_mesh(device.type)
-        with torch.device("meta"):
-            model = spec.model_cls(model_args)
-        if spec.parallelize_fn is not None:
-            model = spec.parallelize_fn(model, parallel_dims, cfg)
-        tensor_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-        with tensor_mode, (_shape_only_init() if fake else contextlib.nullcontext()):
-            model.to_empty(device=device)
-            with torch.no_grad():
-                model.init_weights(buffer_device=None)
-            if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
-                model.to(torch.bfloat16)
-            model.train()
-            optimizers = build_optimizers([model], cfg.optimizer)
-            lr_schedulers = build_lr_schedulers(
-                optimizers, cfg.lr_scheduler, max(cfg.training.steps, steps)
-            )
-            loss_fn = build_cross_entropy_loss()
-            loss_parallel = parallel_dims.loss_parallel_enabled and not (
-                cfg.parallelism.disable_loss_parallel
-            )
-            shape = (cfg.training.local_batch_size, cfg.training.seq_len)
-            tracker = _tracker_for(model, optimizers.optimizers[0])
-            step_peaks = []
-            with _untracked_sharding_propagation(), tracker:
-                for _ in range(steps):
-                    inputs = torch.randint(0, model_args.vocab_size, shape, device=device)
-                    labels = torch.randint(0, model_args.vocab_size, shape, device=device)
-                    if hasattr(tracker, "track_inputs"):
-                        tracker.track_inputs((inputs, labels))
-                    if loss_parallel:
-                        from torch.distributed.tensor.parallel import loss_parallel as lp_ctx
-
-                        ctx = lp_ctx()
-                    else:
-                        ctx = contextlib.nullcontext()
-                    with ctx:
-                        pred = model(inputs)
-                        loss = loss_fn(pred, labels) / labels.numel()
-                        del pred
-                        loss.backward()
-                    dist_utils.clip_grad_norm_(
-                        list(model.parameters()), cfg.training.max_norm, foreach=True
-                    )
-                    optimizers.step()
-                    lr_schedulers.step()
-                    optimizers.zero_grad()
-                    step_peaks.append(_peak_of(tracker.get_tracker_snapshot("peak"))[0])
-                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                    gc.collect()
-            peak, breakdown = _peak_of(tracker.get_tracker_snapshot("peak"))
+        run = build_run(cfg, mode, device=device)
+        model = run.model_parts[0]
+        tracker = _tracker_for(model, run.optimizers.optimizers[0])
+        loader = iter(run.dataloader)
+        batches = [tuple(t.to(device) for t in next(loader)) for _ in range(steps)]
+        step_peaks = []
+        # Trackers must see the fake tensors from inside the fake mode (as the step does).
+        with mode.step(), _untracked_sharding_propagation(), tracker:
+            for inputs, labels in batches:
+                if hasattr(tracker, "track_inputs"):
+                    tracker.track_inputs((inputs, labels))
+                compute_gradients(run, [(inputs, labels)])
+                optimizer_step(run)
+                run.optimizers.zero_grad()
+                step_peaks.append(_peak_of(tracker.get_tracker_snapshot("peak"))[0])
+                tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                gc.collect()
+        peak, breakdown = _peak_of(tracker.get_tracker_snapshot("peak"))
     finally:
-        dist.destroy_process_group()
+        mode.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return MemoryEstimate(
         world_size=world_size,
         rank=rank,

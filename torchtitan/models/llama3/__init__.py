@@ -25,7 +25,6 @@ def llama_model_spec(name: str, flavors: dict[str, TransformerModelArgs]) -> Mod
         state_dict_adapter=lazy(
             "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
         ),
-        build_optimizers_fn=None,
     )
 
 

@@ -13,17 +13,9 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
 from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import apply_tp, check_tp_heads, maybe_enable_async_tp
+from torchtitan.distributed.tensor_parallel import apply_tp, maybe_enable_async_tp
 from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import logger
-
-
-def _head_counts(model: nn.Module) -> tuple[int, int] | None:
-    args = getattr(model, "model_args", None)
-    if args is None:
-        return None
-    n_kv = getattr(args, "effective_n_kv_heads", None) or args.n_kv_heads or args.n_heads
-    return args.n_heads, n_kv
 
 
 def parallelize_llama(
@@ -39,15 +31,7 @@ def parallelize_llama(
     mesh = parallel_dims.world_mesh
     device_type = mesh.device_type if mesh is not None else device_tools.device_type
 
-    if parallel_dims.tp_enabled:
-        heads = _head_counts(model)
-        if heads is not None:
-            check_tp_heads(parallel_dims.tp, *heads)
-        if job_config.training.seq_len % parallel_dims.tp:
-            raise ValueError(
-                f"training.seq_len={job_config.training.seq_len} must be divisible by "
-                f"parallelism.tensor_parallel_degree={parallel_dims.tp} (sequence parallel)"
-            )
+    # Head counts and seq_len divisibility were checked by ParallelDims.validate_for_model.
     tp_mesh = parallel_dims.get_mesh("tp")
     # before any model surgery, so a bad async-TP config fails fast
     maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)

@@ -7,12 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import (
-    build_pipeline_schedule,
+from torchtitan.distributed.pipeline import (
+    Pipeline,
     build_pipeline_stages,
     check_microbatches,
     check_pipeline_composition,
@@ -30,13 +29,12 @@ def pipeline_llama(
     model_args: Any,
     parallelize_fn: Callable[[nn.Module, ParallelDims, JobConfig], nn.Module] | None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
+) -> Pipeline:
     """Cut a meta-device Llama into this pp rank's stages, parallelize each, build the schedule.
 
-    Returns ``(schedule, model_parts, has_first_stage, has_last_stage)``. The parts are still
-    on ``meta``: the caller materialises each (``to_empty`` + ``init_weights``) before the first
-    step. ``loss_fn`` runs on the last stage once per microbatch and must already carry the
-    loss normalisation (e.g. ``ScaledLoss``); gradients are not rescaled by the schedule.
+    Returns the :class:`Pipeline`; its ``model_parts`` are still on ``meta``: the caller
+    materialises each (``to_empty`` + ``init_weights``) before the first step. ``loss_fn`` is
+    the summed token loss; the pipeline applies each step's normalisation itself.
     """
     cfg = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
@@ -60,9 +58,4 @@ def pipeline_llama(
     stages = build_pipeline_stages(
         parts, layout.stage_ids, layout.num_stages, device, pp_mesh.get_group()
     )
-    schedule = build_pipeline_schedule(
-        layout, stages, n_microbatches, cfg.pipeline_parallel_degree, loss_fn
-    )
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
-    return schedule, parts, has_first, has_last
+    return Pipeline(layout, stages, n_microbatches, loss_fn, pp_mesh)

@@ -1,14 +1,13 @@
-"""Pipeline parallelism: cut a model into stages by layer, build stages and a schedule.
+"""Pipeline planning: pick the schedule, count stages, cut the model, place stages on ranks.
 
-A model is cut into ``num_stages`` *model parts*. Each part is a deep copy of the whole (meta)
-model with the modules of other stages removed: entries of a ``ModuleDict`` (``layers``) are
-deleted and other top-level modules (``tok_embeddings``, ``norm``, ``output``) are set to
-``None``, so every parameter keeps the FQN it has in the unsplit model and checkpoints are
-layout-independent. Stages are placed on pp ranks by the schedule's style: looped schedules put
-stages ``r, r + pp, ...`` on rank ``r``; V-shaped ones (ZBVZeroBubble, DualPipeV) put
+Pure functions with no communication, so they are unit-testable alone. A model is cut into
+``num_stages`` *model parts*. Each part is a deep copy of the whole (meta) model with the
+modules of other stages removed: entries of a ``ModuleDict`` (``layers``) are deleted and other
+top-level modules (``tok_embeddings``, ``norm``, ``output``) are set to ``None``, so every
+parameter keeps the FQN it has in the unsplit model and checkpoints are layout-independent.
+Stages are placed on pp ranks by the schedule's style: looped schedules put stages
+``r, r + pp, ...`` on rank ``r``; V-shaped ones (ZBVZeroBubble, DualPipeV) put
 ``r, 2 * pp - 1 - r``; a CSV schedule places stages where its action table runs them.
-
-Everything here is model-agnostic; ``torchtitan/models/<family>/pipeline.py`` wires it up.
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ import copy
 import csv
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -41,29 +38,6 @@ from torch.distributed.pipelining.schedules import (
 from torchtitan.config.job_config import Parallelism
 from torchtitan.tools.logging import logger
 
-__all__ = [
-    "PipelineEvalRunner",
-    "PipelineLayout",
-    "ScaledLoss",
-    "SCHEDULES",
-    "build_pipeline_schedule",
-    "build_pipeline_stages",
-    "build_pipeline_validator",
-    "check_microbatches",
-    "check_pipeline_composition",
-    "generate_fqns_per_stage",
-    "get_schedule_class",
-    "n_microbatches_for",
-    "pipeline_forward_only",
-    "pipeline_module_split",
-    "pipeline_step",
-    "read_csv_stage_placement",
-    "resolve_pipeline_layout",
-    "split_model_part",
-    "stage_ids_this_rank",
-    "validate_fqns_per_stage",
-]
-
 # Schedule names accepted by parallelism.pipeline_parallel_schedule (case-insensitive).
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "GPipe": ScheduleGPipe,
@@ -75,23 +49,7 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "DualPipeV": ScheduleDualPipeV,
 }
 _V_SCHEDULES = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-_ROUND_SCHEDULES = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
-
-
-class ScaledLoss:
-    """``loss_fn(pred, labels) * scale``; the trainer sets ``scale`` before each step.
-
-    Pipeline schedules call the loss once per microbatch on the last stage. The training loop
-    sets ``scale`` to the same factor the non-PP path multiplies its loss by, so the losses and
-    gradients are identical; validation sets it to 1.
-    """
-
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.loss_fn = loss_fn
-        self.scale = 1.0
-
-    def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(pred, labels) * self.scale
+ROUND_SCHEDULES = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 
 def get_schedule_class(name: str) -> type[_PipelineSchedule]:
@@ -106,7 +64,7 @@ def get_schedule_class(name: str) -> type[_PipelineSchedule]:
     return cls
 
 
-def _schedule_name(cls: type) -> str:
+def schedule_name(cls: type) -> str:
     for name, known in SCHEDULES.items():
         if known is cls:
             return name
@@ -220,7 +178,7 @@ def generate_fqns_per_stage(
     return out
 
 
-def _units(model: nn.Module) -> list[str]:
+def units_of(model: nn.Module) -> list[str]:
     """Splittable units in model order: entries of ModuleDict children, other children whole."""
     units: list[str] = []
     for name, child in model.named_children():
@@ -237,7 +195,7 @@ def validate_fqns_per_stage(model: nn.Module, fqns_per_stage: Sequence[Sequence[
     Raises ValueError naming ``parallelism.module_fqns_per_model_part`` and the offending name.
     """
     key = "parallelism.module_fqns_per_model_part"
-    units = _units(model)
+    units = units_of(model)
     order = {u: i for i, u in enumerate(units)}
     containers = {n for n, c in model.named_children() if isinstance(c, nn.ModuleDict)}
     owner: dict[str, int] = {}
@@ -353,7 +311,7 @@ def resolve_pipeline_layout(
             )
     else:
         schedule_class = get_schedule_class(cfg.pipeline_parallel_schedule)
-    name = _schedule_name(schedule_class) if not csv_path else f"CSV schedule {csv_path!r}"
+    name = schedule_name(schedule_class) if not csv_path else f"CSV schedule {csv_path!r}"
     single = issubclass(schedule_class, PipelineScheduleSingle)
     v_style = issubclass(schedule_class, _V_SCHEDULES)
     first_less = cfg.pipeline_parallel_first_stage_less_layers
@@ -431,116 +389,6 @@ def resolve_pipeline_layout(
     return PipelineLayout(schedule_class, num_stages, stage_ids, fqns_per_stage, csv_path)
 
 
-def check_pipeline_composition(parallel_dims) -> None:
-    """Reject compositions with pipeline parallelism that train incorrectly.
-
-    DDP (``data_parallel_replicate_degree > 1`` without sharding) syncs gradients from its own
-    reducer, which expects one backward per forward; pipeline schedules run several microbatch
-    forwards first, and in torch 2.13 the resulting gradients are wrong (measured: the loss
-    drifts from the single-device run from step 2). FSDP and HSDP are handled by the stages.
-    """
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        raise ValueError(
-            "pipeline parallelism cannot be combined with DDP (parallelism."
-            "data_parallel_replicate_degree > 1 with data_parallel_shard_degree = 1); use "
-            "data_parallel_shard_degree > 1 instead (FSDP, or HSDP together with replicate)"
-        )
-
-
-def n_microbatches_for(cfg: Parallelism, local_batch_size: int) -> int:
-    """``local_batch_size // pipeline_parallel_microbatch_size``; ValueError unless it divides."""
-    mbs = cfg.pipeline_parallel_microbatch_size
-    if mbs < 1 or local_batch_size % mbs:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1 and divide "
-            f"training.local_batch_size={local_batch_size}"
-        )
-    return local_batch_size // mbs
-
-
-def check_microbatches(layout: PipelineLayout, n_microbatches: int, pp: int) -> None:
-    """Reject microbatch counts the schedule cannot run (torch 2.13's rules, with config names)."""
-    cls = layout.schedule_class
-    name = _schedule_name(cls)
-    hint = (
-        "raise training.local_batch_size or lower parallelism.pipeline_parallel_microbatch_size "
-        "(n_microbatches = local_batch_size // microbatch_size)"
-    )
-    if cls is Schedule1F1B and n_microbatches < layout.num_stages:
-        raise ValueError(
-            f"schedule 1F1B needs at least as many microbatches as stages: got {n_microbatches} "
-            f"microbatches for {layout.num_stages} stages; {hint}"
-        )
-    if cls is ScheduleDualPipeV and n_microbatches < layout.num_stages:
-        raise ValueError(
-            f"schedule DualPipeV needs at least as many microbatches as stages: got "
-            f"{n_microbatches} microbatches for {layout.num_stages} stages; {hint}"
-        )
-    if cls in _ROUND_SCHEDULES:
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise ValueError(
-                f"schedule {name} needs the number of microbatches ({n_microbatches}) to be a "
-                f"multiple of the rounds max(1, n_microbatches // pp) = {rounds}; use a multiple "
-                f"of pipeline_parallel_degree={pp} (or fewer microbatches than pp); {hint}"
-            )
-    if n_microbatches < layout.num_stages:
-        logger.warning(
-            f"{n_microbatches} pipeline microbatches for {layout.num_stages} stages: the pipeline "
-            "bubble will dominate; use more microbatches"
-        )
-
-
-def build_pipeline_stages(
-    parts: Sequence[nn.Module],
-    stage_ids: Sequence[int],
-    num_stages: int,
-    device: torch.device,
-    pp_group: torch.distributed.ProcessGroup,
-) -> list[PipelineStage]:
-    """One ``PipelineStage`` per model part on the pp process group (shapes inferred at runtime)."""
-    return [
-        PipelineStage(part, stage_idx, num_stages, device, group=pp_group)
-        for part, stage_idx in zip(parts, stage_ids)
-    ]
-
-
-def build_pipeline_schedule(
-    layout: PipelineLayout,
-    stages: list[PipelineStage],
-    n_microbatches: int,
-    pp: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> _PipelineSchedule:
-    """The schedule over this rank's ``stages`` (``scale_grads=False``: ``loss_fn`` normalises)."""
-    check_microbatches(layout, n_microbatches, pp)
-    cls = layout.schedule_class
-    target = stages if layout.is_multi_stage else stages[0]
-    try:
-        schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    except ValueError as err:
-        raise ValueError(
-            f"pipeline schedule {_schedule_name(cls)} with {n_microbatches} microbatches and "
-            f"{layout.num_stages} stages over pp={pp}: {err}"
-        ) from None
-    if layout.csv_path:
-        try:
-            schedule._load_csv(layout.csv_path)
-        except (AssertionError, RuntimeError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-            raise ValueError(
-                f"parallelism.pipeline_parallel_schedule_csv={layout.csv_path!r} is not a valid "
-                f"schedule for {n_microbatches} microbatches and {layout.num_stages} stages: "
-                f"{first_line}"
-            ) from None
-    logger.info(
-        f"Pipeline schedule {_schedule_name(cls) if not layout.csv_path else layout.csv_path}: "
-        f"{layout.num_stages} stages, {n_microbatches} microbatches, this rank holds stages "
-        f"{list(layout.stage_ids)}"
-    )
-    return schedule
-
-
 def pipeline_module_split(
     model: nn.Module,
     layout: PipelineLayout,
@@ -550,172 +398,5 @@ def pipeline_module_split(
     for stage_idx in layout.stage_ids:
         part = split_model_part(model, layout.fqns_per_stage[stage_idx])
         parts.append(part)
-        logger.info(f"Pipeline stage {stage_idx}: {', '.join(_units(part)) or '(empty)'}")
+        logger.info(f"Pipeline stage {stage_idx}: {', '.join(units_of(part)) or '(empty)'}")
     return parts
-
-
-def pipeline_step(
-    schedule: _PipelineSchedule,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    has_first_stage: bool,
-    has_last_stage: bool,
-    train: bool = True,
-) -> torch.Tensor:
-    """Run one batch through the pipeline: forward+backward (``train``) or forward only.
-
-    Every pp rank calls this with the same batch; the first stage feeds ``inputs`` and the last
-    stage applies the schedule's loss per microbatch against ``labels``. Returns the sum of the
-    microbatch losses (detached, a plain tensor) on a rank holding the last stage, else 0.
-    Forward-only runs use :func:`pipeline_forward_only` (torch 2.13's ``schedule.eval`` runs
-    backward actions of multi-stage schedules and fails).
-    """
-    if not train:
-        return pipeline_forward_only(schedule, inputs, labels)
-    losses: list[torch.Tensor] | None = [] if has_last_stage else None
-    args = (inputs,) if has_first_stage else ()
-    target = labels if has_last_stage else None
-    schedule.step(*args, target=target, losses=losses, return_outputs=False)
-    if not losses:
-        return torch.zeros((), device=inputs.device)
-    return torch.stack([_local(loss.detach()) for loss in losses]).sum()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor from a (replicated) DTensor loss, e.g. under loss parallel."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
-_HEADER = 10  # dtype code, ndim, up to 8 dims
-
-
-def _send(t: torch.Tensor, peer: int, group, works: list) -> None:
-    t = t.detach().contiguous()
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
-    header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-    header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    works.append(torch.distributed.isend(header, group=group, group_dst=peer))
-    works.append(torch.distributed.isend(t, group=group, group_dst=peer))
-
-
-def _recv(peer: int, group, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    torch.distributed.recv(header, group=group, group_src=peer)
-    ndim = int(header[1])
-    shape = [int(d) for d in header[2 : 2 + ndim]]
-    out = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-    torch.distributed.recv(out, group=group, group_src=peer)
-    return out
-
-
-@torch.no_grad()
-def pipeline_forward_only(
-    schedule: _PipelineSchedule, inputs: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """Forward-only pass of one batch through ``schedule``'s stages, with its loss function.
-
-    Microbatches (``torch.tensor_split`` into the schedule's count, so any batch size works)
-    flow stage by stage over point-to-point sends on the pp group; a rank that holds two
-    adjacent stages hands the activation over locally. Returns the summed loss on the rank
-    holding the last stage, else 0 (plain tensors).
-    """
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-    by_index = {stage.stage_index: stage for stage in stages}
-    ref = stages[0]
-    group, rank_of = ref.group, ref.stage_index_to_group_rank
-    num_stages, me = ref.num_stages, ref.group_rank
-    loss_fn = schedule._loss_fn
-    total = torch.zeros((), device=inputs.device)
-    works: list = []
-    for x, y in zip(
-        torch.tensor_split(inputs, schedule._n_microbatches),
-        torch.tensor_split(labels, schedule._n_microbatches),
-    ):
-        if x.shape[0] == 0:
-            continue
-        h: torch.Tensor | None = x
-        for idx in range(num_stages):
-            if idx not in by_index:
-                continue
-            if idx > 0 and rank_of[idx - 1] != me:
-                h = _recv(rank_of[idx - 1], group, inputs.device)
-            h = by_index[idx].submod(h)
-            if idx == num_stages - 1:
-                total = total + _local(loss_fn(h, y).detach())
-            elif rank_of[idx + 1] != me:
-                _send(h, rank_of[idx + 1], group, works)
-    for work in works:
-        work.wait()
-    _reshard_fsdp(stages)
-    return total
-
-
-def _reshard_fsdp(stages) -> None:
-    """Free parameters FSDP kept gathered after forward (PP's default), as training expects."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for stage in stages:
-        for module in stage.submod.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-
-class PipelineEvalRunner:
-    """Adapts a pipeline to the validator's ``loss_fn(model(inputs), labels)`` contract.
-
-    ``runner(inputs)`` only holds the batch; ``runner.loss(pending, labels)`` runs the forward-only
-    pipeline with the schedule's loss at scale 1 (summed token loss) and all-reduces it over the
-    pp group, so every rank sees the last stage's value.
-    """
-
-    def __init__(self, schedule: _PipelineSchedule, loss_fn: ScaledLoss, pp_group) -> None:
-        self.schedule, self.loss_fn, self.pp_group = schedule, loss_fn, pp_group
-
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return inputs
-
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        scale, self.loss_fn.scale = self.loss_fn.scale, 1.0
-        try:
-            total = pipeline_forward_only(self.schedule, inputs, labels).float()
-        finally:
-            self.loss_fn.scale = scale
-        torch.distributed.all_reduce(total, group=self.pp_group)
-        return total
-
-    def eval(self) -> PipelineEvalRunner:
-        return self
-
-    def train(self, mode: bool = True) -> PipelineEvalRunner:
-        return self
-
-
-def build_pipeline_validator(
-    schedule: _PipelineSchedule, loss_fn: ScaledLoss, pp_group, **validator_kwargs
-):
-    """A ``components.validate.Validator`` whose forward and loss run through the pipeline.
-
-    ``validator_kwargs`` are the Validator's own arguments except ``loss_fn`` (taken from the
-    schedule). ``validate(model_parts)`` switches the real parts to eval mode and back.
-    """
-    from torchtitan.components.validate import Validator
-
-    runner = PipelineEvalRunner(schedule, loss_fn, pp_group)
-
-    class PipelineValidator(Validator):
-        def validate(self, model_parts: list[nn.Module]) -> float:
-            for part in model_parts:
-                part.eval()
-            try:
-                return super().validate([runner])
-            finally:
-                for part in model_parts:
-                    part.train()
-
-    return PipelineValidator(
-        validator_kwargs.pop("build_dataloader"), runner.loss, **validator_kwargs
-    )

@@ -1,0 +1,259 @@
+"""One build path: config -> mesh -> tokenizer, data -> model parts -> optimizers -> loss.
+
+:func:`build_run` is what the Trainer, the memory estimator and both COMM_MODE dry runs use to
+set a run up; the :class:`~torchtitan.distributed.comm_mode.CommMode` it is given decides the
+process group, the data source and the tensor modes, so nothing here asks which mode is on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.planned import reject_planned_settings
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.comm_mode import CommMode
+from torchtitan.distributed.fsdp import to_torch_dtype
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
+from torchtitan.distributed.pipeline import Pipeline
+from torchtitan.models import ModelSpec, get_model_spec
+from torchtitan.tools.device import device_type, get_device
+from torchtitan.tools.logging import logger
+
+
+@dataclass
+class RunParts:
+    """Everything a training step needs, built once by :func:`build_run`."""
+
+    job_config: JobConfig
+    comm_mode: CommMode
+    parallel_dims: ParallelDims
+    world_mesh: DeviceMesh | None
+    device: torch.device
+    rank: int
+    seed: int
+    model_spec: ModelSpec
+    model_args: Any
+    tokenizer: Any
+    dataloader: Any
+    build_dataloader: Callable[..., Any]
+    """``build(dataset, dataset_path, local_batch_size, seq_len, dp_rank, infinite)``."""
+    model_parts: list[torch.nn.Module]
+    pipeline: Pipeline | None
+    optimizers: OptimizersContainer
+    lr_schedulers: LRSchedulersContainer
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    nparams: int
+    flops_per_token: float
+    global_batch_size: int
+    gradient_accumulation_steps: int
+    compute_dtype: str
+    """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
+    loss_parallel: bool
+
+    @property
+    def loss_mesh(self) -> DeviceMesh | None:
+        """Ranks whose losses add up to the global batch's (data parallel x context parallel)."""
+        return self.parallel_dims.get_mesh("dp_cp")
+
+
+def dataloader_factory(
+    spec: ModelSpec, cfg: JobConfig, tokenizer: Any, dp_world_size: int
+) -> Callable[..., Any]:
+    """``build(dataset, dataset_path, local_batch_size, seq_len, dp_rank, infinite)``: a
+    dataloader for one data-parallel rank, from the model spec's builder."""
+
+    def build(dataset: str, dataset_path: str | None, local_batch_size: int, seq_len: int,
+              dp_rank: int, infinite: bool) -> Any:
+        return spec.build_dataloader_fn(
+            dataset_name=dataset,
+            dataset_path=dataset_path,
+            tokenizer=tokenizer,
+            local_batch_size=local_batch_size,
+            seq_len=seq_len,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            infinite=infinite,
+            dataloader_config=cfg.training.dataloader,
+        )
+
+    return build
+
+
+def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Fail before any work on settings whose feature is planned but not built yet.
+
+    Running with them silently ignored would train something other than what was asked for.
+    ``parse_args_or_exit`` refuses planned config fields already; this repeats that check for
+    configs built in code.
+    """
+    reject_planned_settings(cfg)
+    if parallel_dims.cp_enabled:
+        raise ParallelismError(
+            f"parallelism.context_parallel_degree={parallel_dims.cp}: context parallelism is "
+            "planned but not implemented yet; set it to 1"
+        )
+    if parallel_dims.ep_enabled or parallel_dims.etp > 1:
+        raise ParallelismError(
+            "parallelism.expert_parallel_degree / expert_tensor_parallel_degree > 1 need an MoE "
+            f"model; {cfg.model.name} has no experts (MoE support is planned)"
+        )
+    if cfg.model.converters:
+        raise ValueError(
+            f"model.converters={cfg.model.converters}: model converters (float8, mx) are planned "
+            "but not implemented yet; remove them (e.g. --model.converters '')"
+        )
+
+
+def compute_dtype(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
+    """The dtype the model computes in: FSDP's mixed-precision param dtype when FSDP shards
+    the model, else ``training.dtype`` (one rank, DDP, TP or PP without FSDP)."""
+    if parallel_dims.fsdp_enabled:
+        return cfg.training.mixed_precision_param
+    return cfg.training.dtype
+
+
+def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
+    """``(global batch size, microbatches per optimizer step)`` for ``dp_degree`` data ranks."""
+    local_bs = cfg.training.local_batch_size
+    global_bs = cfg.training.global_batch_size
+    if global_bs < 0:
+        global_bs = local_bs * dp_degree
+    if global_bs % (local_bs * dp_degree):
+        raise ParallelismError(
+            f"training.global_batch_size={global_bs} must be a multiple of "
+            f"local_batch_size*dp = {local_bs}*{dp_degree} = {local_bs * dp_degree}"
+        )
+    return global_bs, global_bs // (local_bs * dp_degree)
+
+
+def log_resolved_config(cfg: JobConfig, rank: int) -> None:
+    """Rank 0 prints (``job.print_config``) and saves (``job.save_config_file``) the config."""
+    if rank != 0:
+        return
+    from torchtitan.config.manager import config_to_toml, save_config
+
+    if cfg.job.print_config:
+        logger.info(f"Resolved config:\n{config_to_toml(cfg)}")
+    if cfg.job.save_config_file:
+        path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
+        save_config(cfg, path)
+        logger.info(f"Saved the resolved config to {path}")
+
+
+def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None = None) -> RunParts:
+    """Set up a run of ``cfg`` on ``comm_mode.world_size`` ranks; returns its parts.
+
+    Order: process group and mesh, seed, batch arithmetic, tokenizer and dataloader, the model
+    on ``meta``, parallelized (or split into pipeline stages), materialised and initialised,
+    then optimizers and LR schedulers. Raises ParallelismError / ValueError /
+    FileNotFoundError with one line meant for people.
+    """
+    if cfg.experimental.custom_import:
+        importlib.import_module(cfg.experimental.custom_import)
+    device = device if device is not None else get_device()
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, comm_mode.world_size)
+    comm_mode.prepare(cfg, parallel_dims)
+    comm_mode.init_process_group(cfg, device_type)
+    reject_planned_features(cfg, parallel_dims)
+    world_mesh = parallel_dims.build_mesh(device.type)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    log_resolved_config(cfg, rank)
+    seed = dist_utils.set_determinism(world_mesh, device, cfg.debug)
+    global_bs, grad_accum = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+
+    spec = get_model_spec(cfg.model.name)
+    tokenizer = comm_mode.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
+    model_args = spec.get_model_args(cfg.model.flavor)
+    model_args.update_from_config(cfg, tokenizer=tokenizer)
+    parallel_dims.validate_for_model(
+        n_heads=model_args.n_heads,
+        n_kv_heads=model_args.effective_n_kv_heads,
+        n_layers=model_args.n_layers,
+        seq_len=cfg.training.seq_len,
+    )
+
+    build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)
+
+    def build_train_loader(dp_rank: int) -> Any:
+        t = cfg.training
+        return build_dataloader(t.dataset, t.dataset_path, t.local_batch_size, t.seq_len,
+                                dp_rank, infinite=True)
+
+    dataloader = comm_mode.build_dataloader(
+        build_train_loader, parallel_dims, cfg.training.local_batch_size, cfg.training.seq_len,
+        model_args.vocab_size,
+    )
+    compile_loss = cfg.compile.enable and "loss" in cfg.compile.components
+    loss_fn = spec.build_loss_fn(compile_loss, cfg.compile.backend)
+
+    logger.info(f"Building {cfg.model.name} {cfg.model.flavor} with {model_args}")
+    with comm_mode.model_build():
+        with torch.device("meta"):
+            model = spec.model_cls(model_args)
+        nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
+        logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
+        pipeline = None
+        if parallel_dims.pp_enabled:
+            if spec.pipelining_fn is None:
+                raise ParallelismError(
+                    f"model {cfg.model.name} has no pipeline support; set "
+                    "parallelism.pipeline_parallel_degree=1"
+                )
+            # The per-stage seed from set_determinism makes stages initialise differently.
+            pipeline = spec.pipelining_fn(
+                model, parallel_dims, cfg, device, model_args, spec.parallelize_fn, loss_fn
+            )
+            model_parts = pipeline.model_parts
+        else:
+            if spec.parallelize_fn is not None:
+                model = spec.parallelize_fn(model, parallel_dims, cfg)
+            model_parts = [model]
+        del model
+        with comm_mode.materialize():
+            for part in model_parts:
+                part.to_empty(device=device)
+                with torch.no_grad(), comm_mode.init_weights():
+                    part.init_weights(buffer_device=None)
+                if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
+                    part.to(to_torch_dtype(cfg.training.dtype, "training.dtype"))
+                part.train()
+            optimizers = build_optimizers(model_parts, cfg.optimizer)
+            lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
+
+    return RunParts(
+        job_config=cfg,
+        comm_mode=comm_mode,
+        parallel_dims=parallel_dims,
+        world_mesh=world_mesh,
+        device=device,
+        rank=rank,
+        seed=seed,
+        model_spec=spec,
+        model_args=model_args,
+        tokenizer=tokenizer,
+        dataloader=dataloader,
+        build_dataloader=build_dataloader,
+        model_parts=model_parts,
+        pipeline=pipeline,
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        loss_fn=loss_fn,
+        nparams=nparams,
+        flops_per_token=flops_per_token,
+        global_batch_size=global_bs,
+        gradient_accumulation_steps=grad_accum,
+        compute_dtype=compute_dtype(cfg, parallel_dims),
+        loss_parallel=parallel_dims.loss_parallel_enabled
+        and not cfg.parallelism.disable_loss_parallel,
+    )

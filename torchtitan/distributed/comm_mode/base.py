@@ -1,0 +1,79 @@
+"""The seams through which a run talks to its ranks; the base class is a real run.
+
+A real run is one process per rank under torchrun (or one process alone). The COMM_MODE dry
+runs (``fake_backend``, ``local_tensor``) subclass :class:`CommMode` and override a few seams:
+the process group, the data source, and the tensor modes around model build, materialisation
+and the training step. ``torchtitan.build.build_run`` and the Trainer call these seams and
+never ask which mode is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools import flight_recorder
+
+
+class CommMode:
+    """A real run: torchrun's process group (or none for one rank), real tensors, real data."""
+
+    name = "torchrun"
+    computes_values = True
+    """False when the step runs on tensors without values (loss and grad norm are NaN)."""
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        self.world_size = world_size
+        self.rank = rank
+
+    # --- setup ----------------------------------------------------------------------------
+    def prepare(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+        """Refuse what this mode cannot run and switch off what it must not do."""
+
+    def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
+        """The default process group (nccl on CUDA, gloo on CPU); none for a single rank."""
+        if self.world_size > 1:
+            flight_recorder.configure_env(job_config.comm, job_config.job.dump_folder, device_type)
+            dist_utils.init_distributed(job_config.comm, device_type)
+
+    # --- data -----------------------------------------------------------------------------
+    def build_tokenizer(self, build: Callable[[Any], Any], model_config: Any) -> Any:
+        return build(model_config)
+
+    def build_dataloader(
+        self,
+        build_for_dp_rank: Callable[[int], Any],
+        parallel_dims: ParallelDims,
+        local_batch_size: int,
+        seq_len: int,
+        vocab_size: int,
+    ) -> Any:
+        """This rank's training dataloader (its shard of the data-parallel split)."""
+        return build_for_dp_rank(parallel_dims.mesh_local_rank("dp"))
+
+    # --- tensor modes ---------------------------------------------------------------------
+    def model_build(self) -> contextlib.AbstractContextManager:
+        """Around building, parallelizing and materialising the model and its optimizers."""
+        return contextlib.nullcontext()
+
+    def materialize(self) -> contextlib.AbstractContextManager:
+        """Around ``to_empty`` + ``init_weights`` and the optimizer build."""
+        return contextlib.nullcontext()
+
+    def init_weights(self) -> contextlib.AbstractContextManager:
+        """Around each model part's ``init_weights()``."""
+        return contextlib.nullcontext()
+
+    def step(self) -> contextlib.AbstractContextManager:
+        """Around one training step (forward, backward, clipping, optimizer)."""
+        return contextlib.nullcontext()
+
+    def after_step(self, step: int) -> None:
+        """Called once a training step has finished."""
+
+    def close(self) -> None:
+        """Leave any tensor mode this mode entered."""

@@ -1,0 +1,225 @@
+"""``COMM_MODE=local_tensor``: every rank of a job simulated in one process, with real values.
+
+``LocalTensorMode`` holds one tensor per simulated rank; collectives really combine them, so
+numerics match a real run of that layout. Each data-parallel rank reads its own batches.
+Tensor parallel runs as is; data parallel (FSDP/HSDP/DDP) runs as DTensor-sharded parameters
+gathered on use (SimpleFSDP style), because ``fully_shard`` cannot run under
+LocalTensorMode. Pipeline parallel, context parallel, expert parallel and compile are refused.
+Memory and time grow with the number of simulated ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.comm_mode.base import CommMode
+from torchtitan.distributed.comm_mode.fake_backend import init_fake_process_group
+from torchtitan.distributed.fsdp import data_parallel_override
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
+from torchtitan.tools.logging import logger
+
+
+def _dp_rank_of(parallel_dims: ParallelDims, rank: int) -> int:
+    """Data-parallel index of global ``rank`` (the order of the flattened ``dp`` mesh)."""
+    mesh = parallel_dims.world_mesh
+    if mesh is None:
+        return 0
+    coords = (mesh.mesh == rank).nonzero()[0].tolist()
+    named = dict(zip(mesh.mesh_dim_names or (), coords))
+    return named.get("dp_replicate", 0) * parallel_dims.dp_shard + named.get("dp_shard", 0)
+
+
+class LocalTensorBatches:
+    """Combines one dataloader per data-parallel rank into per-rank ``LocalTensor`` batches."""
+
+    def __init__(self, loaders: dict[int, Any], rank_to_dp: dict[int, int]):
+        self.loaders = loaders
+        self.rank_to_dp = rank_to_dp
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+
+        with maybe_disable_local_tensor_mode():
+            iters = {d: iter(loader) for d, loader in self.loaders.items()}
+        while True:
+            with maybe_disable_local_tensor_mode():
+                batches = {d: next(it) for d, it in iters.items()}
+                inputs = LocalTensor({r: batches[d][0] for r, d in self.rank_to_dp.items()})
+                labels = LocalTensor({r: batches[d][1] for r, d in self.rank_to_dp.items()})
+            yield inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+# --- data parallel under LocalTensorMode (SimpleFSDP style) ---------------------------------
+_gather_enabled = True
+
+
+@contextlib.contextmanager
+def params_as_stored() -> Iterator[None]:
+    """Parameters read as their sharded DTensors (for in-place init), not gathered."""
+    global _gather_enabled
+    old, _gather_enabled = _gather_enabled, False
+    try:
+        yield
+    finally:
+        _gather_enabled = old
+
+
+class _GatherOnUse(nn.Module):
+    """Parametrization: gather a data-parallel-sharded parameter when it is used.
+
+    The stored parameter is a DTensor on ``(dp dims..., [tp])``; the computed one is the
+    TP-local view (a DTensor on the tp mesh, or a plain tensor), cast to ``param_dtype``.
+    Its gradient is averaged over the dp dims and reduce-scattered back to the shard.
+    """
+
+    def __init__(self, n_dp: int, tp_mesh, tp_placements, param_dtype: torch.dtype | None):
+        super().__init__()
+        self.n_dp = n_dp
+        self.tp_mesh = tp_mesh
+        self.tp_placements = tuple(tp_placements)
+        self.param_dtype = param_dtype
+
+    def forward(self, x):
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        if not _gather_enabled:
+            return x
+        gathered = x.redistribute(x.device_mesh, [Replicate()] * self.n_dp + list(self.tp_placements))
+        local = gathered.to_local(grad_placements=[Partial("avg")] * self.n_dp + list(self.tp_placements))
+        if self.param_dtype is not None and local.is_floating_point():
+            local = local.to(self.param_dtype)
+        if self.tp_mesh is None:
+            return local
+        return DTensor.from_local(local, self.tp_mesh, self.tp_placements, run_check=False)
+
+
+def apply_local_data_parallel(
+    model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """Shard every parameter over the data-parallel mesh dims as a DTensor, gathered on use.
+
+    ``dp_shard`` shards dim 0 (FSDP), ``dp_replicate`` replicates (DDP / HSDP's outer dim);
+    gradients are averaged over both, as FSDP2 and DDP do. Works under LocalTensorMode,
+    where ``fully_shard`` does not.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.nn.utils import parametrize
+
+    mesh = parallel_dims.world_mesh
+    if mesh is None:
+        return model
+    dp_dims = [n for n in ("dp_replicate", "dp_shard") if n in (mesh.mesh_dim_names or ())]
+    if not dp_dims:
+        return model
+    dp_placements = [Replicate() if n == "dp_replicate" else Shard(0) for n in dp_dims]
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                tp_mesh, tp_placements = param.device_mesh, list(param.placements)
+                names = list(dp_dims) + list(tp_mesh.mesh_dim_names or ())
+            else:
+                tp_mesh, tp_placements = None, []
+                names = list(dp_dims)
+            span = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            sharded = distribute_tensor(full, span, dp_placements + tp_placements)
+            setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            parametrize.register_parametrization(
+                module,
+                name,
+                _GatherOnUse(len(dp_dims), tp_mesh, tp_placements, param_dtype),
+                unsafe=True,
+            )
+    kinds = "+".join(f"{n}={mesh[n].size()}" for n in dp_dims)
+    logger.info(f"Applied DTensor data parallel (gather on use, {kinds}) for LocalTensorMode")
+    return model
+
+
+def _local_data_parallel(model, parallel_dims, param_dtype, reduce_dtype, **_unused):
+    """``fsdp.apply_data_parallel``'s stand-in while LocalTensorMode is on."""
+    if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
+        return model
+    mp_dtype = param_dtype if parallel_dims.fsdp_enabled else None
+    return apply_local_data_parallel(model, parallel_dims, mp_dtype)
+
+
+class LocalTensorSim(CommMode):
+    """All ranks simulated in one process under LocalTensorMode (see the module docstring)."""
+
+    name = "local_tensor"
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        super().__init__(world_size, rank)
+        self._stack = contextlib.ExitStack()
+
+    def prepare(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+        refused = []
+        if parallel_dims.pp_enabled:
+            refused.append(
+                "pipeline parallel (parallelism.pipeline_parallel_degree > 1: each rank runs a "
+                "different stage (MPMD), which one SPMD process cannot simulate)"
+            )
+        if parallel_dims.cp_enabled:
+            refused.append("context parallel (parallelism.context_parallel_degree > 1)")
+        if parallel_dims.ep_enabled:
+            refused.append("expert parallel (parallelism.expert_parallel_degree > 1)")
+        if job_config.compile.enable:
+            refused.append("torch.compile (compile.enable)")
+        if refused:
+            raise ParallelismError(
+                f"COMM_MODE={self.name} cannot run " + "; ".join(refused)
+                + ": turn that off, or run it for real with torchrun"
+            )
+        off = []
+        for section in ("checkpoint", "validation"):
+            if getattr(job_config, section).enable:
+                getattr(job_config, section).enable = False
+                off.append(f"{section}.enable")
+        if off:
+            logger.warning(f"COMM_MODE={self.name}: turned off {', '.join(off)}")
+
+    def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
+        init_fake_process_group(self.world_size, self.rank)
+        logger.info(
+            f"COMM_MODE={self.name}: one process simulating all {self.world_size} ranks on a fake "
+            "process group"
+        )
+        logger.warning(
+            f"COMM_MODE={self.name} holds the tensors of all {self.world_size} simulated ranks "
+            f"in this process: expect about {self.world_size}x one rank's memory and time "
+            "(lower training.local_batch_size / seq_len if that is too much)"
+        )
+
+    def build_dataloader(self, build_for_dp_rank, parallel_dims, local_batch_size, seq_len, vocab_size):
+        """One loader per data-parallel rank, combined into per-rank LocalTensor batches."""
+        rank_to_dp = {r: _dp_rank_of(parallel_dims, r) for r in range(self.world_size)}
+        loaders = {d: build_for_dp_rank(d) for d in sorted(set(rank_to_dp.values()))}
+        return LocalTensorBatches(loaders, rank_to_dp)
+
+    @contextlib.contextmanager
+    def model_build(self) -> Iterator[None]:
+        """Enter LocalTensorMode for the rest of the run (steps run under it too); data
+        parallel becomes gather-on-use DTensor parameters while the model is built."""
+        from torch.distributed._local_tensor import LocalTensorMode
+
+        self._stack.enter_context(LocalTensorMode(self.world_size))
+        with data_parallel_override(_local_data_parallel):
+            yield
+
+    def init_weights(self) -> contextlib.AbstractContextManager:
+        return params_as_stored()
+
+    def close(self) -> None:
+        self._stack.close()

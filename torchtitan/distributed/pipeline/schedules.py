@@ -1,0 +1,132 @@
+"""Pipeline runtime objects: stages, the schedule, and the checks torch's schedules need."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    _PipelineSchedule,
+)
+
+from torchtitan.config.job_config import Parallelism
+from torchtitan.distributed.pipeline.planning import (
+    ROUND_SCHEDULES,
+    PipelineLayout,
+    schedule_name,
+)
+from torchtitan.tools.logging import logger
+
+
+def check_pipeline_composition(parallel_dims) -> None:
+    """Reject compositions with pipeline parallelism that train incorrectly.
+
+    DDP (``data_parallel_replicate_degree > 1`` without sharding) syncs gradients from its own
+    reducer, which expects one backward per forward; pipeline schedules run several microbatch
+    forwards first, and in torch 2.13 the resulting gradients are wrong (measured: the loss
+    drifts from the single-device run from step 2). FSDP and HSDP are handled by the stages.
+    """
+    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        raise ValueError(
+            "pipeline parallelism cannot be combined with DDP (parallelism."
+            "data_parallel_replicate_degree > 1 with data_parallel_shard_degree = 1); use "
+            "data_parallel_shard_degree > 1 instead (FSDP, or HSDP together with replicate)"
+        )
+
+
+def n_microbatches_for(cfg: Parallelism, local_batch_size: int) -> int:
+    """``local_batch_size // pipeline_parallel_microbatch_size``; ValueError unless it divides."""
+    mbs = cfg.pipeline_parallel_microbatch_size
+    if mbs < 1 or local_batch_size % mbs:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1 and divide "
+            f"training.local_batch_size={local_batch_size}"
+        )
+    return local_batch_size // mbs
+
+
+def check_microbatches(layout: PipelineLayout, n_microbatches: int, pp: int) -> None:
+    """Reject microbatch counts the schedule cannot run (torch 2.13's rules, with config names)."""
+    cls = layout.schedule_class
+    name = schedule_name(cls)
+    hint = (
+        "raise training.local_batch_size or lower parallelism.pipeline_parallel_microbatch_size "
+        "(n_microbatches = local_batch_size // microbatch_size)"
+    )
+    if cls is Schedule1F1B and n_microbatches < layout.num_stages:
+        raise ValueError(
+            f"schedule 1F1B needs at least as many microbatches as stages: got {n_microbatches} "
+            f"microbatches for {layout.num_stages} stages; {hint}"
+        )
+    if cls is ScheduleDualPipeV and n_microbatches < layout.num_stages:
+        raise ValueError(
+            f"schedule DualPipeV needs at least as many microbatches as stages: got "
+            f"{n_microbatches} microbatches for {layout.num_stages} stages; {hint}"
+        )
+    if cls in ROUND_SCHEDULES:
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ValueError(
+                f"schedule {name} needs the number of microbatches ({n_microbatches}) to be a "
+                f"multiple of the rounds max(1, n_microbatches // pp) = {rounds}; use a multiple "
+                f"of pipeline_parallel_degree={pp} (or fewer microbatches than pp); {hint}"
+            )
+    if n_microbatches < layout.num_stages:
+        logger.warning(
+            f"{n_microbatches} pipeline microbatches for {layout.num_stages} stages: the pipeline "
+            "bubble will dominate; use more microbatches"
+        )
+
+
+def build_pipeline_stages(
+    parts: Sequence[nn.Module],
+    stage_ids: Sequence[int],
+    num_stages: int,
+    device: torch.device,
+    pp_group: torch.distributed.ProcessGroup,
+) -> list[PipelineStage]:
+    """One ``PipelineStage`` per model part on the pp process group (shapes inferred at runtime)."""
+    return [
+        PipelineStage(part, stage_idx, num_stages, device, group=pp_group)
+        for part, stage_idx in zip(parts, stage_ids)
+    ]
+
+
+def build_pipeline_schedule(
+    layout: PipelineLayout,
+    stages: list[PipelineStage],
+    n_microbatches: int,
+    pp: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule over this rank's ``stages`` (``scale_grads=False``: ``loss_fn`` normalises)."""
+    check_microbatches(layout, n_microbatches, pp)
+    cls = layout.schedule_class
+    target = stages if layout.is_multi_stage else stages[0]
+    try:
+        schedule = cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except ValueError as err:
+        raise ValueError(
+            f"pipeline schedule {schedule_name(cls)} with {n_microbatches} microbatches and "
+            f"{layout.num_stages} stages over pp={pp}: {err}"
+        ) from None
+    if layout.csv_path:
+        try:
+            schedule._load_csv(layout.csv_path)
+        except (AssertionError, RuntimeError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise ValueError(
+                f"parallelism.pipeline_parallel_schedule_csv={layout.csv_path!r} is not a valid "
+                f"schedule for {n_microbatches} microbatches and {layout.num_stages} stages: "
+                f"{first_line}"
+            ) from None
+    logger.info(
+        f"Pipeline schedule {schedule_name(cls) if not layout.csv_path else layout.csv_path}: "
+        f"{layout.num_stages} stages, {n_microbatches} microbatches, this rank holds stages "
+        f"{list(layout.stage_ids)}"
+    )
+    return schedule

@@ -1,0 +1,89 @@
+"""The gradient half of a training step, shared by the Trainer and the memory estimator.
+
+Loss normalisation: every microbatch's summed token loss is multiplied by
+``n_loss_ranks / global_valid_tokens``. Data-parallel gradient reduction averages over the
+``dp x cp`` ranks, so the result is the gradient of (sum of token losses) / (global valid
+tokens): the same for any data-parallel layout and any gradient-accumulation split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from torchtitan.build import RunParts
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.pipeline.evaluation import local_value
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def loss_context(run: RunParts) -> contextlib.AbstractContextManager:
+    """Context for forward+backward (and validation): loss parallel under TP."""
+    if run.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    run: RunParts, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
+) -> torch.Tensor:
+    """Forward and backward of one microbatch; returns its scaled loss (detached; 0 on
+    pipeline ranks without the last stage)."""
+    with loss_context(run):
+        if run.pipeline is not None:
+            # The schedule splits the batch into pipeline microbatches itself.
+            return run.pipeline.train_step(inputs, labels, loss_scale)
+        pred = run.model_parts[0](inputs)
+        loss = run.loss_fn(pred, labels) * loss_scale
+        del pred
+        loss.backward()
+    # Under loss parallel the loss is a replicated DTensor; its full value is the loss.
+    return local_value(loss.detach())
+
+
+def _valid_tokens(labels: torch.Tensor) -> int:
+    """Labels that count toward the loss (real labels also under an ambient fake mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return int((labels != IGNORE_INDEX).sum())
+
+
+def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[float, float]:
+    """Forward+backward over one optimizer step's microbatches, then clip the gradients.
+
+    Returns ``(global mean token loss, total grad norm before clipping)``, the same on every
+    rank; NaN for both when the comm mode computes no values (fake tensors).
+    """
+    local_tokens = sum(_valid_tokens(labels) for _, labels in microbatches)
+    loss_mesh = run.loss_mesh
+    global_tokens = dist_utils.dist_reduce(local_tokens, "sum", loss_mesh)
+    n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
+    loss_scale = n_loss_ranks / max(global_tokens, 1.0)
+    with run.comm_mode.step():
+        local_loss = torch.zeros((), device=run.device)
+        for inputs, labels in microbatches:
+            local_loss += forward_backward(run, inputs, labels, loss_scale)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in run.model_parts for p in m.parameters()],
+            run.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=run.parallel_dims.get_mesh("pp"),
+        )
+    loss = dist_utils.dist_reduce(local_loss / n_loss_ranks, "sum", loss_mesh)
+    if run.pipeline is not None:  # only last-stage ranks hold it; the others add 0
+        loss = dist_utils.dist_reduce(loss, "sum", run.pipeline.pp_mesh)
+    return loss, dist_utils.scalar_value(grad_norm)
+
+
+def optimizer_step(run: RunParts) -> None:
+    """Apply the optimizers and advance the LR schedules."""
+    with run.comm_mode.step():
+        run.optimizers.step()
+    run.lr_schedulers.step()
