@@ -81,3 +81,36 @@ def test_wandb_offline(dump_folder, monkeypatch):
     runs = list((dump_folder / "wandb").rglob("offline-run-*"))
     assert runs, "W&B offline run folder was not written"
     assert list(runs[0].glob("*.wandb")), "no W&B event log in the offline run"
+
+
+@pytest.mark.parametrize(
+    "degrees, dtype, expected",
+    [
+        # one rank with the default dp_shard=-1 resolves to no FSDP: no mixed precision
+        (dict(world_size=1), "float32", "float32"),
+        (dict(world_size=1), "bfloat16", "bfloat16"),
+        # DDP has no mixed-precision policy: the model computes in training.dtype
+        (dict(world_size=2, data_parallel_replicate_degree=2, data_parallel_shard_degree=1),
+         "float32", "float32"),
+        (dict(world_size=2, tensor_parallel_degree=2, data_parallel_shard_degree=1),
+         "float32", "float32"),
+        # FSDP/HSDP cast parameters to mixed_precision_param for compute
+        (dict(world_size=2), "float32", "bfloat16"),
+        (dict(world_size=4, data_parallel_replicate_degree=2), "float32", "bfloat16"),
+    ],
+)
+def test_mfu_peak_follows_the_dtype_the_model_computes_in(degrees, dtype, expected, monkeypatch):
+    from torchtitan.build import compute_dtype
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.config.job_config import JobConfig, Parallelism
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.tools import device as device_tools
+
+    world_size = degrees.pop("world_size")
+    cfg = JobConfig()
+    cfg.training.dtype, cfg.training.mixed_precision_param = dtype, "bfloat16"
+    dims = ParallelDims.from_config(Parallelism(**degrees), world_size)
+    assert compute_dtype(cfg, dims) == expected
+    monkeypatch.setattr(device_tools, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    metrics = MetricsProcessor(cfg, rank=0, compute_dtype=compute_dtype(cfg, dims))
+    assert metrics.peak_flops == {"float32": 494.7e12, "bfloat16": 989.5e12}[expected]

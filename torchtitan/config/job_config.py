@@ -8,7 +8,7 @@ programs that run a job refuse a non-default value for them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -501,7 +501,3 @@ class JobConfig:
     experimental: Experimental = field(default_factory=Experimental)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
-
-    def to_dict(self) -> dict:
-        """The config as nested plain dicts (TOML/JSON-serialisable except None values)."""
-        return asdict(self)
