@@ -23,6 +23,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
+from torchtitan.distributed.context_parallel import check_context_parallel_model
 from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.distributed.pipeline import Pipeline
@@ -98,11 +99,6 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
     configs built in code.
     """
     reject_planned_settings(cfg)
-    if parallel_dims.cp_enabled:
-        raise ParallelismError(
-            f"parallelism.context_parallel_degree={parallel_dims.cp}: context parallelism is "
-            "planned but not implemented yet; set it to 1"
-        )
     if parallel_dims.ep_enabled or parallel_dims.etp > 1:
         raise ParallelismError(
             "parallelism.expert_parallel_degree / expert_tensor_parallel_degree > 1 need an MoE "
@@ -112,6 +108,19 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
         raise ValueError(
             f"model.converters={cfg.model.converters}: model converters (float8, mx) are planned "
             "but not implemented yet; remove them (e.g. --model.converters '')"
+        )
+
+
+def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
+    """What context parallel needs beyond the mesh rules: an attention kind ring attention
+    can split, and validation batches as long as training ones (the RoPE table is sharded
+    for ``training.seq_len``)."""
+    check_context_parallel_model(model_args)
+    if cfg.validation.enable and cfg.validation.seq_len != cfg.training.seq_len:
+        raise ValueError(
+            f"validation.seq_len={cfg.validation.seq_len} must equal training.seq_len="
+            f"{cfg.training.seq_len} with parallelism.context_parallel_degree={cp} (both "
+            "shard the same RoPE table)"
         )
 
 
@@ -182,6 +191,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         n_layers=model_args.n_layers,
         seq_len=cfg.training.seq_len,
     )
+    if parallel_dims.cp_enabled:
+        check_context_parallel(cfg, model_args, parallel_dims.cp)
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)
 

@@ -1,9 +1,10 @@
 """The gradient half of a training step, shared by the Trainer and the memory estimator.
 
-Loss normalisation: every microbatch's summed token loss is multiplied by
-``n_loss_ranks / global_valid_tokens``. Data-parallel gradient reduction averages over the
-``dp x cp`` ranks, so the result is the gradient of (sum of token losses) / (global valid
-tokens): the same for any data-parallel layout and any gradient-accumulation split.
+Loss normalisation: every microbatch's summed token loss (over this rank's part of the
+sequence under context parallel) is multiplied by ``n_loss_ranks / global_valid_tokens``,
+where the loss ranks are ``dp x cp``. Gradient reduction averages over those ranks, so the
+result is the gradient of (sum of token losses) / (global valid tokens): the same for any
+data-parallel or context-parallel layout and any gradient-accumulation split.
 """
 
 from __future__ import annotations
@@ -30,12 +31,35 @@ def loss_context(run: RunParts) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def sequence_context(
+    run: RunParts, inputs: torch.Tensor, labels: torch.Tensor
+) -> contextlib.AbstractContextManager:
+    """Context parallel: shard ``inputs``/``labels`` (in place, for good) and every model
+    part's RoPE table along the sequence, and run attention as ring attention. A no-op
+    without CP."""
+    cp_mesh = run.parallel_dims.get_mesh("cp")
+    if cp_mesh is None:
+        return contextlib.nullcontext()
+    from torchtitan.distributed.context_parallel import context_parallel_context
+
+    rope_tables = [part.freqs_cis for part in run.model_parts]
+    return context_parallel_context(
+        cp_mesh,
+        buffers=[inputs, labels, *rope_tables],
+        seq_dims=[1, 1, *[0] * len(rope_tables)],
+        no_restore={inputs, labels},
+        rotate_method=run.job_config.parallelism.context_parallel_rotate_method,
+    )
+
+
 def forward_backward(
     run: RunParts, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
 ) -> torch.Tensor:
     """Forward and backward of one microbatch; returns its scaled loss (detached; 0 on
     pipeline ranks without the last stage)."""
-    with loss_context(run):
+    if run.parallel_dims.cp_enabled:  # the batch is resized in place: own its storage
+        inputs, labels = inputs.clone(), labels.clone()
+    with loss_context(run), sequence_context(run, inputs, labels):
         if run.pipeline is not None:
             # The schedule splits the batch into pipeline microbatches itself.
             return run.pipeline.train_step(inputs, labels, loss_scale)
@@ -61,9 +85,10 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
     Returns ``(global mean token loss, total grad norm before clipping)``, the same on every
     rank; NaN for both when the comm mode computes no values (fake tensors).
     """
+    # Context-parallel ranks share their batch: count its tokens once per data-parallel rank.
     local_tokens = sum(_valid_tokens(labels) for _, labels in microbatches)
     loss_mesh = run.loss_mesh
-    global_tokens = dist_utils.dist_reduce(local_tokens, "sum", loss_mesh)
+    global_tokens = dist_utils.dist_reduce(local_tokens, "sum", run.parallel_dims.get_mesh("dp"))
     n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
     loss_scale = n_loss_ranks / max(global_tokens, 1.0)
     with run.comm_mode.step():

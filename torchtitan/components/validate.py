@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,8 @@ class Validator:
     """Runs the model over a validation dataloader every ``freq`` steps.
 
     ``batch_loss(inputs, labels)`` returns one batch's summed token loss: the model's forward
-    and the loss function, or a forward-only pass through pipeline stages.
+    and the loss function, or a forward-only pass through pipeline stages. It runs inside
+    ``loss_context(inputs, labels)`` (loss parallel, context parallel).
     """
 
     def __init__(
@@ -34,7 +36,7 @@ class Validator:
         steps: int,
         device: torch.device,
         dp_mesh: DeviceMesh | None,
-        loss_context: Callable,
+        loss_context: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager],
     ) -> None:
         self.build_dataloader = build_dataloader
         self.batch_loss = batch_loss
@@ -78,9 +80,10 @@ class Validator:
             step += 1
             if batch is None:
                 continue
-            inputs, labels = (t.to(self.device) for t in batch)
-            with self.loss_context():
+            inputs, labels = (t.to(self.device).clone() for t in batch)
+            with self.loss_context(inputs, labels):
                 loss_sum += self.batch_loss(inputs, labels).double()
+            # The labels the loss saw: this rank's slice of the sequence under context parallel.
             tokens += (labels != IGNORE_INDEX).sum()
         return loss_sum, tokens
 
@@ -93,7 +96,7 @@ class Validator:
 def build_validator(run: RunParts) -> Validator:
     """The ``[validation]`` section's validator for ``run`` (through its pipeline under PP)."""
     from torchtitan.distributed.pipeline.evaluation import local_value
-    from torchtitan.step import loss_context
+    from torchtitan.step import loss_context, sequence_context
 
     val = run.job_config.validation
     dp_rank = run.parallel_dims.mesh_local_rank("dp")
@@ -119,5 +122,15 @@ def build_validator(run: RunParts) -> Validator:
         steps=val.steps,
         device=run.device,
         dp_mesh=run.loss_mesh,
-        loss_context=lambda: loss_context(run),
+        loss_context=lambda inputs, labels: _stacked(
+            loss_context(run), sequence_context(run, inputs, labels)
+        ),
     )
+
+
+@contextlib.contextmanager
+def _stacked(*contexts: contextlib.AbstractContextManager):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield

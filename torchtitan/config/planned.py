@@ -10,8 +10,8 @@ silently ignored:
 * :data:`METADATA_FIELDS` describe the config itself; no training code acts on them by design.
 
 Not listed here because the trainer already refuses them with its own message when they are
-set: ``parallelism.context_parallel_degree``, ``parallelism.expert_parallel_degree``,
-``parallelism.expert_tensor_parallel_degree`` and ``model.converters`` (torchtitan/train.py).
+set: ``parallelism.expert_parallel_degree``, ``parallelism.expert_tensor_parallel_degree`` and
+``model.converters`` (``torchtitan/build.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ PLANNED_FIELDS: dict[str, str] = {
     "fault_tolerance.semi_sync_method": _FT,
     # MoE
     "debug.moe_force_load_balance": _MOE,
-    # context parallelism
-    "parallelism.context_parallel_rotate_method": "context parallelism",
     # activation checkpointing
     "activation_checkpoint.memory_budget": "the memory_budget activation checkpointing mode",
     "activation_checkpoint.visualize_memory_budget_pareto": (

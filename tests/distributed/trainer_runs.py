@@ -1,0 +1,115 @@
+"""Trainer runs in launched gloo ranks, fed fixed global batches, from one seed checkpoint.
+
+``run_sequence(argvs)`` runs several trainers one after another in the same ranks: an argv with
+``--checkpoint.create_seed_checkpoint`` writes the seed checkpoint, any other loads it and
+runs ``STEPS`` steps through ``Trainer.train_step`` on batches cut from one global batch per
+step (each data-parallel rank takes its rows, ``local_batch_size`` at a time), so layouts with
+different data-parallel degrees or gradient-accumulation splits see the same global batch.
+Rank 0's rows carry many ignored labels (-100) and rank 1's none, so per-rank token counts
+differ and the loss normalisation is exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STEPS = 4
+GLOBAL_BATCH, SEQ_LEN, VOCAB = 8, 64, 2256
+
+BASE_ARGS = [
+    "--job.config_file", "train_configs/debug_model.toml",
+    "--model.flavor", "debugmodel_tiny",
+    "--training.seq_len", str(SEQ_LEN),
+    "--training.local_batch_size", "4",
+    "--training.global_batch_size", str(GLOBAL_BATCH),
+    "--training.steps", str(STEPS),
+    "--training.max_norm", "0.5",
+    "--activation_checkpoint.mode", "none",
+    "--optimizer.lr", "1e-2",
+    "--optimizer.implementation", "for-loop",
+    "--lr_scheduler.warmup_steps", "1",
+    "--debug.seed", "3",
+]
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    labels[:4, : SEQ_LEN * 3 // 4] = -100  # rank 0's half: a quarter of its labels count
+    return inputs, labels
+
+
+class FixedBatches:
+    """This data-parallel rank's rows of each step's global batch, ``rows`` at a time."""
+
+    def __init__(self, dp_rank: int, dp_degree: int, rows: int):
+        self.dp_rank, self.dp_degree, self.rows = dp_rank, dp_degree, rows
+
+    def __iter__(self):
+        per_rank = GLOBAL_BATCH // self.dp_degree
+        step = 0
+        while True:
+            inputs, labels = global_batch(step)
+            lo = self.dp_rank * per_rank
+            for start in range(lo, lo + per_rank, self.rows):
+                yield inputs[start : start + self.rows], labels[start : start + self.rows]
+            step += 1
+
+
+def seed_args(dump: str) -> list[str]:
+    """Write a seed checkpoint to ``dump/checkpoint/step-0``."""
+    return [*BASE_ARGS, "--job.dump_folder", dump, "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint"]
+
+
+def from_seed(seed_dir: str, dump: str, *extra: str) -> list[str]:
+    """Train from the seed checkpoint at ``seed_dir`` (weights only)."""
+    return [*BASE_ARGS, "--job.dump_folder", dump, "--checkpoint.enable",
+            "--checkpoint.load_only", "--checkpoint.initial_load_path", seed_dir, *extra]
+
+
+def run_trainer(argv: list[str]) -> dict[str, list[float]]:
+    """Build a Trainer in this (launched) process, feed it fixed batches, record its steps."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.train import Trainer
+
+    trainer = Trainer(ConfigManager().parse_args(argv))
+    dims = trainer.parallel_dims
+    trainer.dataloader = FixedBatches(
+        dims.mesh_local_rank("dp"), dims.dp_degree, trainer.job_config.training.local_batch_size
+    )
+    record: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    try:
+        assert trainer.checkpointer.load()  # the seed checkpoint's weights
+        iterator = iter(trainer.dataloader)
+        for _ in range(trainer.job_config.training.steps):
+            trainer.step += 1
+            loss, grad_norm = trainer.train_step(iterator)
+            record["loss"].append(loss)
+            record["grad_norm"].append(grad_norm)
+        record["accumulation"] = [trainer.gradient_accumulation_steps]
+        if trainer.validator is not None:
+            record["val"] = [trainer.validator.validate(trainer.model_parts)]
+    finally:
+        trainer.close()
+    return record
+
+
+def run_sequence(runs: list[list[str]]) -> list[dict[str, list[float]]]:
+    """Worker entry: each argv in turn (seed checkpoint writes return ``{}``)."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.train import Trainer
+
+    results = []
+    for argv in runs:
+        if "--checkpoint.create_seed_checkpoint" in argv:
+            trainer = Trainer(ConfigManager().parse_args(argv))
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
+            results.append({})
+        else:
+            results.append(run_trainer(argv))
+    return results
