@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchtitan.config.job_config import Debug
-from torchtitan.distributed.utils import set_determinism
+from torchtitan.distributed.utils import DEFAULT_DETERMINISTIC_SEED, set_determinism
 
 
 @pytest.fixture
@@ -83,10 +83,47 @@ def test_single_process_seed_and_deterministic_flags(restore_determinism):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
-def test_no_seed_picks_a_fresh_one():
+@pytest.fixture
+def titan_log(caplog):
+    """caplog that also sees the ``torchtitan`` logger when init_logger() turned propagation off."""
+    import logging
+
+    titan = logging.getLogger("torchtitan")
+    titan.addHandler(caplog.handler)
+    old = titan.level
+    titan.setLevel(logging.INFO)
+    yield caplog
+    titan.removeHandler(caplog.handler)
+    titan.setLevel(old)
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_no_seed_picks_a_fresh_one_and_logs_it(titan_log):
     a = set_determinism(None, torch.device("cpu"), Debug())
     b = set_determinism(None, torch.device("cpu"), Debug())
     assert a != b
+    assert f"Seed {a} (random, as debug.seed is unset; --debug.seed {a} repeats this run)" in _messages(titan_log)
+
+
+def test_deterministic_without_seed_uses_a_fixed_seed(restore_determinism, titan_log):
+    seeds = [set_determinism(None, torch.device("cpu"), Debug(deterministic=True)) for _ in range(2)]
+    assert seeds == [DEFAULT_DETERMINISTIC_SEED] * 2 and torch.initial_seed() == DEFAULT_DETERMINISTIC_SEED
+    assert f"Seed {DEFAULT_DETERMINISTIC_SEED} (the default seed of deterministic runs)" in _messages(titan_log)
+    titan_log.clear()
+    set_determinism(None, torch.device("cpu"), Debug(seed=5))
+    assert "Seed 5 (debug.seed)" in _messages(titan_log)
+
+
+def test_warn_only_alone_implies_deterministic(restore_determinism, titan_log):
+    torch.use_deterministic_algorithms(False)
+    seed = set_determinism(None, torch.device("cpu"), Debug(deterministic_warn_only=True))
+    assert seed == DEFAULT_DETERMINISTIC_SEED
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.is_deterministic_algorithms_warn_only_enabled()
+    assert "debug.deterministic_warn_only implies debug.deterministic: turning it on" in _messages(titan_log)
 
 
 def _losses(flags: list[str], steps: int = 3) -> list[float]:
@@ -126,3 +163,16 @@ def test_same_seed_bitwise_identical_losses_different_seed_differs(restore_deter
         os.chdir(old)
     assert first == second, (first, second)  # bitwise: exact float equality
     assert first[0] != other[0], (first, other)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_deterministic_runs_without_a_seed_are_identical(restore_determinism, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    old = os.getcwd()
+    os.chdir(root)
+    try:
+        dump = ["--job.dump_folder", str(tmp_path)]
+        runs = [_losses(["--debug.deterministic", *dump], steps=2) for _ in range(2)]
+    finally:
+        os.chdir(old)
+    assert runs[0] == runs[1], runs  # bitwise: exact float equality

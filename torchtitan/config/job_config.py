@@ -467,13 +467,13 @@ class Validation:
 @dataclass
 class Debug:
     seed: int | None = None
-    """Random seed (the same on every DP/TP/CP rank; seed + pp rank per pipeline stage)."""
+    """Random seed (the same on every DP/TP/CP rank; seed + pp rank per pipeline stage). Unset: 42 with deterministic, else random (logged)."""
 
     deterministic: bool = False
     """Use deterministic algorithms (bitwise-reproducible runs; slower)."""
 
     deterministic_warn_only: bool = False
-    """With deterministic, only warn about ops without a deterministic implementation."""
+    """Deterministic mode (implies deterministic), only warning about ops without a deterministic implementation."""
 
     moe_force_load_balance: bool = False
     """Route MoE tokens round-robin (debugging load balance)."""

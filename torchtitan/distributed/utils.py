@@ -73,6 +73,10 @@ def hard_exit(code: int = 0) -> None:
     os._exit(code)
 
 
+DEFAULT_DETERMINISTIC_SEED = 42
+"""Seed of ``debug.deterministic`` runs that set no ``debug.seed``."""
+
+
 def set_determinism(
     world_mesh: DeviceMesh | None,
     device: torch.device,
@@ -83,29 +87,44 @@ def set_determinism(
 
     Ranks share one seed, except that each coordinate along ``distinct_seed_mesh_dims`` (the pp
     stage by default) adds its index, so different pipeline stages initialise differently.
+    Without ``debug.seed`` a deterministic run uses :data:`DEFAULT_DETERMINISTIC_SEED` (so two
+    such runs are identical) and any other run a fresh random seed; the seed is always logged.
+    ``deterministic_warn_only`` alone implies deterministic mode.
     """
-    if cfg.deterministic:
-        logger.info("Deterministic algorithms are on (slower, bitwise reproducible)")
+    deterministic = cfg.deterministic or cfg.deterministic_warn_only
+    if deterministic:
+        if not cfg.deterministic:
+            logger.info("debug.deterministic_warn_only implies debug.deterministic: turning it on")
+        logger.info(
+            "Deterministic algorithms are on (slower, bitwise reproducible)"
+            + (", warning only for ops without one" if cfg.deterministic_warn_only else "")
+        )
         torch.use_deterministic_algorithms(True, warn_only=cfg.deterministic_warn_only)
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     seed = cfg.seed
-    if seed is None:
+    source = "debug.seed"
+    if seed is None and deterministic:
+        seed, source = DEFAULT_DETERMINISTIC_SEED, "the default seed of deterministic runs"
+    elif seed is None:
         # A fresh random seed, agreed by all ranks so replicated state stays identical.
         seed_tensor = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         if dist.is_initialized():
             dist.broadcast(seed_tensor, src=0)
         seed = int(seed_tensor.item())
-    offset = 0
+        source = f"random, as debug.seed is unset; --debug.seed {seed} repeats this run"
+    offset, stride = 0, 1
     if world_mesh is not None and world_mesh.mesh_dim_names:
-        stride = 1
         for name in reversed(world_mesh.mesh_dim_names):
             if name in distinct_seed_mesh_dims:
                 offset += world_mesh.get_local_rank(name) * stride
                 stride *= world_mesh.size(world_mesh.mesh_dim_names.index(name))
     rank_seed = (seed + offset) % 2**63
     torch.manual_seed(rank_seed)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        per_stage = "; each pipeline stage adds its index" if stride > 1 else ""
+        logger.info(f"Seed {seed} ({source}){per_stage}")
     if world_mesh is not None and world_mesh.device_type != "cpu":
         # DTensor's RNG tracker only matters for random ops on sharded tensors on accelerators.
         from torch.distributed.tensor._random import manual_seed as dtensor_manual_seed
