@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -106,7 +107,6 @@ def test_tensorboard_from_trainer(tmp_path):
 @pytest.mark.parametrize(
     "kw,flags,needle",
     [
-        (dict(context_parallel_degree=2), [], "context parallelism is planned"),
         (dict(expert_parallel_degree=2), [], "need an MoE model"),
         ({}, ["--model.converters", "float8"], "model converters .* are planned"),
     ],
@@ -121,6 +121,42 @@ def test_planned_features_fail_clearly(kw, flags, needle):
     dims = ParallelDims.from_config(Parallelism(**kw), 2)
     with pytest.raises(ValueError, match=needle):
         reject_planned_features(cfg, dims)
+
+
+@pytest.mark.parametrize(
+    "degrees, world, seq_len, needle",
+    [
+        (dict(context_parallel_degree=2), 2, 66,
+         r"training.seq_len=66 must be divisible by 4 \(tp=1 for sequence parallel, 2\*cp=4 "
+         r"for context parallel load balancing\)"),
+        (dict(context_parallel_degree=2, tensor_parallel_degree=2), 4, 36,
+         r"training.seq_len=36 must be divisible by 8"),
+        (dict(context_parallel_degree=3), 4, 64, r"world size 4 is not divisible by"),
+    ],
+)
+def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    with pytest.raises(ValueError, match=needle):
+        dims = ParallelDims.from_config(Parallelism(**degrees), world)
+        dims.validate_for_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=seq_len)
+
+
+def test_context_parallel_refuses_what_ring_attention_cannot_split():
+    from torchtitan.build import check_context_parallel
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.models.llama3 import llama3_args
+
+    cfg = ConfigManager().parse_args(["--validation.enable", "--validation.seq_len", "128"])
+    args = llama3_args["debugmodel"]
+    with pytest.raises(ValueError, match=r"validation.seq_len=128 must equal training.seq_len=2048"):
+        check_context_parallel(cfg, args, 2)
+    cfg.validation.seq_len = cfg.training.seq_len
+    check_context_parallel(cfg, args, 2)
+    flex = dataclasses.replace(args, use_flex_attn=True)
+    with pytest.raises(ValueError, match="needs SDPA attention; this flavor uses FlexAttention"):
+        check_context_parallel(cfg, flex, 2)
 
 
 def test_bfloat16_training_dtype(tmp_path):
