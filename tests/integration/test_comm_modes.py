@@ -1,6 +1,6 @@
-"""COMM_MODE dry runs through ./run_train.sh on CPU (torchtitan/distributed/comm_mode.py).
+"""COMM_MODE dry runs through ./run_train.sh on CPU (torchtitan/distributed/comm_mode/).
 
-The 70B-at-128-ranks run of seed 001 takes over a minute on 2 cores, so CI runs the same
+The debugging guide's 70B-at-128-ranks example takes over a minute on 2 cores, so CI runs the same
 config (TP 8, full AC, 128 ranks) with the 1B flavor; see docs/debugging.md for the 70B numbers.
 """
 

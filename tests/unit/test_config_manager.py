@@ -455,8 +455,6 @@ def test_tool_prints_toml_and_json(capsys, tmp_path):
 
 def test_tool_acceptance_memory_snapshot_forms(capsys):
     debug = REPO / "train_configs" / "debug_model.toml"
-    if not debug.is_file():
-        pytest.skip("train_configs/debug_model.toml not written yet")
     cases = {
         "--profiling.enable_memory_snapshot": "true",
         "--profiling.no_enable_memory_snapshot": "false",
@@ -520,8 +518,6 @@ def test_help_lists_flags_types_defaults_and_docstrings_fast():
 
 @pytest.mark.slow
 def test_config_manager_module_alias_accepts_module_and_config():
-    if not (REPO / "train_configs" / "debug_model.toml").is_file():
-        pytest.skip("train_configs/debug_model.toml not written yet")
     proc = subprocess.run(
         [
             sys.executable,

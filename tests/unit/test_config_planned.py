@@ -18,7 +18,8 @@ from torchtitan.config.planned import PLANNED_FIELDS, planned_settings
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((REPO / "train_configs").glob("*.toml"))
 USES_PLANNED = {"llama3_405b.toml"}  # float8 all-gather options (with model.converters)
-ERA_2024_TOMLS = sorted((REPO / "tests" / "assets" / "seed_configs").glob("*.toml"))
+ERA_2024_TOMLS = sorted((REPO / "tests" / "assets" / "legacy_2024_configs").glob("*.toml"))
+assert ERA_2024_TOMLS, "tests/assets/legacy_2024_configs/ holds the 2024-era TOML fixtures"
 FIELDS = leaf_fields(JobConfig)
 
 

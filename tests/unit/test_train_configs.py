@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 import types
 import typing
@@ -128,10 +127,6 @@ def test_model_dir_link_is_relative():
     assert not Path(LINKED_DIR.readlink()).is_absolute()
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchtitan.config.manager") is None,
-    reason="torchtitan.config.manager not written yet",
-)
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_manager_loads_bundled_config(path):
     from torchtitan.config.manager import ConfigManager

@@ -1,70 +1,19 @@
-"""Every TOML block and command line in the user's seed documents parses as written."""
+"""2024-era configs and command lines still work: legacy-schema TOML files (kept verbatim in
+tests/assets/legacy_2024_configs/) and the flags of the 2024-era and config-registry-era
+debugging guides, parsed as written."""
 
 from __future__ import annotations
 
-import re
 import shlex
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import ASSETS, REPO_ROOT
 from torchtitan.config import ConfigManager
 from torchtitan.config.manager import main
 
-REPO = Path(__file__).resolve().parents[2]
-SEEDS = REPO.parent / "shared" / "seeds"
-ASSETS = REPO / "tests" / "assets" / "seed_configs"
-
-# seed file prefix -> asset copy of its TOML block
-SEED_BLOCKS = {
-    "000": "seed000_bool_override.toml",
-    "002": "seed000_bool_override.toml",  # the same block, repeated in seed 002
-    "003": "seed003_config.toml",
-    "004": "seed004_config.toml",
-}
-
-
-def toml_blocks(text: str) -> list[str]:
-    """Fenced blocks tagged ```toml, or untagged ones starting with '# torchtitan Config.toml'."""
-    blocks = []
-    for match in re.finditer(r"```([a-z]*)\n(.*?)```", text, re.S):
-        lang, body = match.groups()
-        if lang == "toml" or body.lstrip().startswith("# torchtitan Config.toml"):
-            blocks.append(body)
-    return blocks
-
-
-def seed_text(prefix: str) -> str:
-    (path,) = SEEDS.glob(f"{prefix}_*.txt")
-    return path.read_text()
-
-
-# Test ids name the document, not its file number.
-BLOCK_NAMES = {
-    "000": "2024-era-debugging-doc",
-    "002": "debugging-doc-repeat",
-    "003": "2024-era-training-notes",
-    "004": "2024-era-api-readme",
-}
-
-needs_seeds = pytest.mark.skipif(not SEEDS.is_dir(), reason="../shared/seeds is not present")
-
-
-@needs_seeds
-@pytest.mark.parametrize(
-    ("prefix", "asset"),
-    sorted(SEED_BLOCKS.items()),
-    ids=[BLOCK_NAMES[k] for k in sorted(SEED_BLOCKS)],
-)
-def test_asset_copies_equal_the_docs_toml_blocks(prefix, asset):
-    assert toml_blocks(seed_text(prefix)) == [(ASSETS / asset).read_text()]
-
-
-@needs_seeds
-def test_no_docs_toml_block_is_left_uncopied():
-    for path in sorted(SEEDS.glob("*.txt")):
-        if toml_blocks(path.read_text()):
-            assert path.name[:3] in SEED_BLOCKS, path.name
+REPO = REPO_ROOT
+LEGACY = ASSETS / "legacy_2024_configs"
 
 
 def parse(*args: str):
@@ -72,12 +21,10 @@ def parse(*args: str):
 
 
 @pytest.mark.parametrize(
-    "asset",
-    ["seed003_config.toml", "seed004_config.toml"],
-    ids=["2024-era-training-notes", "2024-era-api-readme"],
+    "asset", ["legacy_2024_job_config.toml", "legacy_2024_job_config_with_cp.toml"]
 )
 def test_2024_era_toml_configs_load_unchanged(asset):
-    cfg = parse("--job.config_file", str(ASSETS / asset))
+    cfg = parse("--job.config_file", str(LEGACY / asset))
     assert cfg.job.description == "Llama 3 debug training"
     assert cfg.job.use_for_integration_test is True
     assert cfg.profiling.enable_profiling is True
@@ -106,16 +53,16 @@ def test_2024_era_toml_configs_load_unchanged(asset):
     assert cfg.model.converters == []  # enable_float8_linear = false
 
 
-def test_docs_bool_override_block_and_its_cli_overrides():
-    path = str(ASSETS / "seed000_bool_override.toml")
+def test_bool_override_block_and_its_cli_overrides():
+    path = str(LEGACY / "memory_snapshot_on.toml")
     assert parse("--job.config_file", path).profiling.enable_memory_snapshot is True
     for off in ("--profiling.no_enable_memory_snapshot", "--profiling.no-enable-memory-snapshot"):
         assert parse("--job.config_file", path, off).profiling.enable_memory_snapshot is False
 
 
-# Flags of the seeds' command lines, verbatim (the part after ./run_train.sh / the tool).
-SEED_FLAGS = {
-    "000": [
+# Flags of the guides' command lines, verbatim (the part after ./run_train.sh / the tool).
+COMMAND_LINES = {
+    "2024-era": [
         "--profiling.enable_memory_snapshot --profiling.save_memory_snapshot_folder memory_snapshot",
         "--training.seed 42",
         "--training.deterministic",
@@ -124,7 +71,7 @@ SEED_FLAGS = {
         "--parallelism.tensor_parallel_degree 1 --parallelism.pipeline_parallel_degree 1 "
         "--parallelism.context_parallel_degree 1 --parallelism.expert_parallel_degree 1",
     ],
-    "001": [
+    "config-registry-era": [
         "--profiling.enable_memory_snapshot --profiling.save_memory_snapshot_folder memory_snapshot",
         "--debug.seed 42",
         "--debug.deterministic",
@@ -137,16 +84,8 @@ SEED_FLAGS = {
         "--parallelism.tensor_parallel_degree 8 \\\n--parallelism.data_parallel_shard_degree 2",
     ],
 }
-CASES = [(seed, flags) for seed, lines in SEED_FLAGS.items() for flags in lines]
-# Test ids name the document, not its file number.
-DOC_NAMES = {"000": "2024-era-debugging-doc", "001": "config-registry-debugging-doc"}
-CASE_IDS = [f"{DOC_NAMES[seed]}-{i}" for i, (seed, _) in enumerate(CASES)]
-
-
-@needs_seeds
-@pytest.mark.parametrize(("seed", "flags"), CASES, ids=CASE_IDS)
-def test_command_lines_appear_verbatim_in_the_docs(seed, flags):
-    assert flags in seed_text(seed)
+CASES = [(era, flags) for era, lines in COMMAND_LINES.items() for flags in lines]
+CASE_IDS = [f"{era}-{i}" for i, (era, _) in enumerate(CASES)]
 
 
 def _check(cfg, flags: str) -> None:
@@ -177,8 +116,8 @@ def _check(cfg, flags: str) -> None:
         assert cfg.parallelism.data_parallel_shard_degree == 2
 
 
-@pytest.mark.parametrize(("seed", "flags"), CASES, ids=CASE_IDS)
-def test_docs_command_lines_parse(tmp_path, seed, flags):
+@pytest.mark.parametrize(("era", "flags"), CASES, ids=CASE_IDS)
+def test_guide_command_lines_parse(tmp_path, era, flags):
     debug = tmp_path / "debug_model.toml"
     debug.write_text("[training]\nsteps = 10\nlocal_batch_size = 2\n")
     argv = shlex.split(flags.replace("\\\n", " "))  # the shell's line continuation
@@ -186,8 +125,8 @@ def test_docs_command_lines_parse(tmp_path, seed, flags):
     _check(cfg, flags)
 
 
-def test_docs_config_tool_commands(capsys, monkeypatch):
-    """The seeds' config-manager commands, with the bundled configs when they exist."""
+def test_guide_config_tool_commands(capsys, monkeypatch):
+    """The guides' config-manager commands, against the bundled configs."""
     monkeypatch.chdir(REPO)
     commands = [
         "--job.config_file ./torchtitan/models/llama3/train_configs/llama3_8b.toml "
@@ -196,15 +135,7 @@ def test_docs_config_tool_commands(capsys, monkeypatch):
         "--job.config_file ./train_configs/debug_model.toml --profiling.enable_memory_snapshot "
         "--profiling.save_memory_snapshot_folder memory_snapshot",
     ]
-    ran = 0
     for command in commands:
-        argv = shlex.split(command)
-        target = argv[1] if argv[0] == "--job.config_file" else "train_configs/llama3_8b.toml"
-        if not (REPO / target).is_file():
-            continue
-        assert main(argv) == 0, command
+        assert main(shlex.split(command)) == 0, command
         out = capsys.readouterr().out
         assert "\nenable_memory_snapshot = true\n" in out
-        ran += 1
-    if ran == 0:
-        pytest.skip("bundled train_configs not written yet")
