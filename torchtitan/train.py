@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.build import build_run
 from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
@@ -57,6 +58,7 @@ class Trainer(Stateful):
 
         self.step = 0
         self.ntokens_seen = 0
+        self.rng_state = RNGState(self.rank, repr(run.parallel_dims), cuda=device_type == "cuda")
         self.metrics = MetricsProcessor(cfg, rank=self.rank, compute_dtype=run.compute_dtype)
         self.metrics.num_flops_per_token = run.flops_per_token
         self.metrics.tokens_divisor = run.parallel_dims.non_data_parallel_size
@@ -181,23 +183,20 @@ class Trainer(Stateful):
         self.comm_mode.close()
 
     # --- Stateful ------------------------------------------------------------------------
+    # Per-rank RNG states saved by another layout are absent on load (rng_state.py).
+    optional_state_keys = (RNG_KEY,)
+
     def state_dict(self) -> dict[str, Any]:
-        state = {
+        return {
             "step": torch.tensor(self.step),
             "ntokens_seen": torch.tensor(self.ntokens_seen),
-            "cpu_rng_state": torch.get_rng_state(),
+            RNG_KEY: self.rng_state.state_dict(),
         }
-        if device_type == "cuda":
-            state["cuda_rng_state"] = torch.cuda.get_rng_state()
-        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.ntokens_seen = int(state_dict.get("ntokens_seen", 0))
-        if "cpu_rng_state" in state_dict:
-            torch.set_rng_state(state_dict["cpu_rng_state"])
-        if device_type == "cuda" and "cuda_rng_state" in state_dict:
-            torch.cuda.set_rng_state(state_dict["cuda_rng_state"])
+        self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
 
 
 _USER_ERRORS = (FileNotFoundError, ParallelismError, ValueError)

@@ -228,6 +228,19 @@ def _flat_keys(state: Any, prefix: str) -> list[str]:
     return list(flat)
 
 
+def _drop_absent_optional(obj: Stateful, state_name: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj``'s state dict without the entries it lists in ``optional_state_keys`` that the
+    checkpoint lacks (in whole or part): such entries are not loaded, and ``obj`` sees them
+    missing (e.g. per-rank RNG states saved by another number of ranks)."""
+    template = obj.state_dict()
+    for key in getattr(obj, "optional_state_keys", ()):
+        if key in template and any(
+            k not in meta for k in _flat_keys(template[key], f"{state_name}.{key}")
+        ):
+            del template[key]
+    return template
+
+
 def dataloader_mismatch(name: str, detail: str) -> str:
     return (
         f"{name}: the dataloader state was saved with a different data-parallel layout "
@@ -317,7 +330,7 @@ def _load_template(
         if not any(k.startswith(state_name + ".") for k in meta):
             fresh.append(state_name)
             continue
-        template = obj.state_dict()
+        template = _drop_absent_optional(obj, state_name, meta)
         missing = [k for k in _flat_keys(template, state_name) if k not in meta]
         if missing:
             if state_name == DATALOADER:
