@@ -54,13 +54,16 @@ class LoadPlan:
 # --- planning ---------------------------------------------------------------------------------
 
 
-def plan_load(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
-    """Rank 0 decides what to load (and logs why); the plan is broadcast to every rank."""
+def plan_load(
+    folder: str, step: int, cfg: CheckpointConfig, resume: bool = True
+) -> LoadPlan | None:
+    """Rank 0 decides what to load (and logs why); the plan is broadcast to every rank.
+    ``resume=False``: only ``initial_load_path`` (``folder`` is not looked at)."""
     plan: LoadPlan | None = None
     error = None
     if rank() == 0:
         try:
-            plan = _decide(folder, step, cfg)
+            plan = _decide(folder, step, cfg) if resume else decide_initial_load(cfg)
         except CheckpointError as err:
             error = str(err)
     plan, error = broadcast((plan, error))
@@ -103,10 +106,21 @@ def _decide(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
     return LoadPlan(path=entry.path, step=entry.step, reason=reason, model_only=False, hf=False)
 
 
-def _decide_initial(folder: str, cfg: CheckpointConfig) -> LoadPlan | None:
+def decide_initial_load(cfg: CheckpointConfig) -> LoadPlan | None:
+    """The plan for ``checkpoint.initial_load_path`` alone, on this rank (no collectives):
+    used when checkpoint.enable is off, so nothing is resumed or saved."""
+    return _decide_initial(None, cfg)
+
+
+def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | None:
     if not cfg.initial_load_path:
         logger.info(f"Checkpoint: no checkpoint in {folder}; starting from scratch")
         return None
+    why = (
+        f"{folder} has no checkpoint, so checkpoint.initial_load_path"
+        if folder is not None
+        else "checkpoint.initial_load_path without checkpoint.enable: loaded, nothing saved"
+    )
     path = cfg.initial_load_path
     if not os.path.exists(path):
         raise CheckpointError(
@@ -116,7 +130,7 @@ def _decide_initial(folder: str, cfg: CheckpointConfig) -> LoadPlan | None:
         return LoadPlan(
             path=path,
             step=None,
-            reason=f"{folder} has no checkpoint, so checkpoint.initial_load_path (HF) is used",
+            reason=f"{why} (HF) is used" if folder is not None else f"{why} (HF)",
             model_only=True,
             hf=True,
         )
@@ -133,7 +147,7 @@ def _decide_initial(folder: str, cfg: CheckpointConfig) -> LoadPlan | None:
     return LoadPlan(
         path=path,
         step=None,
-        reason=f"{folder} has no checkpoint, so checkpoint.initial_load_path is used",
+        reason=f"{why} is used" if folder is not None else why,
         model_only=bool(cfg.initial_load_model_only),
         hf=False,
     )

@@ -94,7 +94,9 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint.export_dtype={cfg.export_dtype!r}: use one of {sorted(EXPORT_DTYPES)}"
             )
-        if (cfg.initial_load_in_hf or cfg.last_save_in_hf) and sd_adapter is None and self.enable:
+        if (cfg.initial_load_in_hf or cfg.last_save_in_hf) and sd_adapter is None and (
+            self.enable or cfg.initial_load_path
+        ):
             which = "initial_load_in_hf" if cfg.initial_load_in_hf else "last_save_in_hf"
             raise CheckpointError(
                 f"checkpoint.{which} needs an HF state-dict adapter, and this model has none"
@@ -247,15 +249,17 @@ class CheckpointManager:
 
     # --- loading ---------------------------------------------------------------------------
     def load(self, step: int = -1) -> bool:
-        """Load the newest complete checkpoint (or ``step-<step>``), else ``initial_load_path``.
+        """Load the newest complete checkpoint (or ``step-<step>``), else ``initial_load_path``;
+        with checkpoint.enable off, ``initial_load_path`` only (if set; nothing is saved).
 
         Returns True when something was loaded. Raises CheckpointError with a one-line reason.
         """
-        if not self.enable:
+        resume = self.enable  # off: initial_load_path alone is loaded (never the folder)
+        if not resume and not self.config.initial_load_path:
             if rank() == 0:
                 logger.info("Checkpoint: checkpoint.enable is off; nothing is loaded")
             return False
-        plan = plan_load(self.folder, step, self.config)
+        plan = plan_load(self.folder, step, self.config, resume=resume)
         if plan is None:
             return False
         begin = time.perf_counter()

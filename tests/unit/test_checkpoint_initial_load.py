@@ -1,0 +1,59 @@
+"""checkpoint.initial_load_path without checkpoint.enable loads that checkpoint (never the run's
+own folder) and saves nothing; it is not silently ignored."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.config.job_config import Checkpoint
+
+
+@pytest.fixture
+def titan_log(caplog):
+    titan = logging.getLogger("torchtitan")
+    titan.addHandler(caplog.handler)
+    old = titan.level
+    titan.setLevel(logging.INFO)
+    yield caplog
+    titan.removeHandler(caplog.handler)
+    titan.setLevel(old)
+
+
+def _manager(model: nn.Module, dump, **cfg) -> CheckpointManager:
+    return CheckpointManager(None, [model], None, None, {}, Checkpoint(**cfg), str(dump))
+
+
+def test_initial_load_path_without_enable_loads_it(tmp_path, titan_log):
+    torch.manual_seed(0)
+    seed_model = nn.Linear(4, 3)
+    _manager(seed_model, tmp_path / "seed", create_seed_checkpoint=True).save_seed_checkpoint()
+    seed_path = tmp_path / "seed" / "checkpoint" / "step-0"
+    # the run's own folder holds another checkpoint: without checkpoint.enable it is not resumed
+    other = nn.Linear(4, 3)
+    _manager(other, tmp_path / "run", enable=True).save(5, force=True)
+
+    model = nn.Linear(4, 3)
+    manager = _manager(model, tmp_path / "run", initial_load_path=str(seed_path))
+    assert manager.load()
+    assert torch.equal(model.weight, seed_model.weight) and torch.equal(model.bias, seed_model.bias)
+    lines = [r.getMessage() for r in titan_log.records]
+    assert any(
+        f"from {seed_path} (checkpoint.initial_load_path without checkpoint.enable: loaded, "
+        "nothing saved)" in line
+        for line in lines
+    ), lines
+    manager.save(10, last_step=True)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoint")) == ["step-5"]  # nothing new
+
+
+def test_without_enable_or_initial_path_nothing_is_loaded(tmp_path):
+    model = nn.Linear(4, 3)
+    before = model.weight.detach().clone()
+    assert not _manager(model, tmp_path / "run").load()
+    assert torch.equal(model.weight, before)
