@@ -7,10 +7,14 @@ as a subprocess, ``kill_env(15)`` gives the environment that makes its Checkpoin
 
 Phases: ``write`` kills after every data file is written but before DCP's ``.metadata``;
 ``commit`` (default) kills after ``.metadata``, before the commit marker and rename.
+
+``DiskFull`` makes the save of step ``TORCHTITAN_TEST_DISK_FULL_AT`` fail like a full disk
+(``OSError(ENOSPC)`` once its data files are written, inside DCP's write).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -19,6 +23,7 @@ from pathlib import Path
 from torchtitan.components.checkpoint import HOOKS_ENV, SaveHooks
 
 KILL_AT_ENV = "TORCHTITAN_TEST_KILL_AT"
+DISK_FULL_ENV = "TORCHTITAN_TEST_DISK_FULL_AT"
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("write", "commit")
 
@@ -58,3 +63,14 @@ def kill_env(step: int, phase: str = "commit") -> dict[str, str]:
         KILL_AT_ENV: f"{step}:{phase}",
         "PYTHONPATH": path,
     }
+
+
+class DiskFull(SaveHooks):
+    """Fail the save of ``step`` (default: ``TORCHTITAN_TEST_DISK_FULL_AT``) with ENOSPC."""
+
+    def __init__(self, step: int | None = None) -> None:
+        self.step = int(os.environ[DISK_FULL_ENV]) if step is None else step
+
+    def data_written(self, step: int, path: str) -> None:
+        if step == self.step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "__0_0.distcp"))

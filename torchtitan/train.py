@@ -22,7 +22,8 @@ from torchtitan.components.validate import build_validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import comm_mode_from_env
-from torchtitan.distributed.parallel_dims import ParallelismError
+from torchtitan.launch import record_error
+from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder
 from torchtitan.tools.device import device_type
@@ -112,8 +113,8 @@ class Trainer(Stateful):
         if self.comm_mode.computes_values and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(
                 f"loss became {loss} (grad norm {grad_norm}) at step {self.step}; the "
-                "optimizer step was skipped. Lower optimizer.lr, check the data, or resume from "
-                "the last checkpoint"
+                "optimizer step was skipped. Lower optimizer.lr or check the data; "
+                + self.checkpointer.resume_hint(self.step - 1)
             )
         self.checkpointer.maybe_wait_for_staging()
         optimizer_step(self.run)
@@ -126,6 +127,15 @@ class Trainer(Stateful):
             self.checkpointer.save_seed_checkpoint()
             return
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        self.comm_mode.load_initial_weights(self.model_parts)  # COMM_MODE=local_tensor
+        if "optimizer" in self.checkpointer.loaded:
+            from torchtitan.components.lr_scheduler import reconcile_peak_lr
+
+            note = reconcile_peak_lr(
+                self.optimizers, self.lr_schedulers, cfg.optimizer.lr, cfg.optimizer.override_checkpoint_lr
+            )
+            if note and self.rank == 0:
+                logger.warning(note)
         self._install_preemption_handler()
         data_iterator = iter(self.dataloader)
         logger.info(f"Training starts at step {self.step + 1}")
@@ -199,11 +209,25 @@ class Trainer(Stateful):
         self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
 
 
-_USER_ERRORS = (FileNotFoundError, ParallelismError, ValueError)
+def _peer_failure(err: BaseException) -> bool:
+    """A collective failed because another rank went away (it reports its own error)."""
+    if not dist.is_initialized():
+        return False
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the config, train, and return the process exit code."""
+    """Parse the config, train, and return the process exit code.
+
+    A bad config or a missing file is one ``error:`` line and exit code 2; a training error
+    (e.g. NaN loss) one line and 1. Either line also goes to torchrun's error file for this
+    rank (:func:`torchtitan.launch.record_error`), so the launcher names it whatever
+    ``LOG_RANK`` shows. A rank whose collective broke because another rank stopped first says
+    so in one line; the other rank's error is the root cause.
+    """
     init_logger()
     from torchtitan.config.manager import parse_args_or_exit
 
@@ -213,11 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(job_config)
         trainer.train()
-    except _USER_ERRORS as err:
-        logger.error(f"error: {err}")
-        code = 2
+    except USER_ERRORS as err:
+        code = _report(err, 2)
     except TrainingError as err:
-        logger.error(f"error: {err}")
+        code = _report(err, 1)
+    except Exception as err:
+        if not _peer_failure(err):
+            record_error(f"{type(err).__name__}: {err}", 1)
+            raise
+        line = " ".join(str(err).split())[:300]
+        logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")
         code = 1
     finally:
         if trainer is not None:
@@ -226,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         if code == 0:
             dist_utils.shutdown_distributed()
         dist_utils.hard_exit(code)
+    return code
+
+
+def _report(err: BaseException, code: int) -> int:
+    message = " ".join(str(err).split())
+    logger.error(f"error: {message}")
+    record_error(message, code)
     return code
 
 

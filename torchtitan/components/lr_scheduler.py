@@ -97,3 +97,29 @@ def build_lr_schedulers(
 ) -> LRSchedulersContainer:
     """Build the LR schedulers from the ``[lr_scheduler]`` section."""
     return LRSchedulersContainer(optimizers, cfg, training_steps)
+
+
+def reconcile_peak_lr(
+    optimizers: OptimizersContainer,
+    lr_schedulers: LRSchedulersContainer,
+    config_lr: float,
+    override: bool,
+) -> str | None:
+    """After a checkpoint restored the optimizer: keep its peak lr, or with ``override`` use
+    ``config_lr``. Returns the log line saying which one is used (None when they agree)."""
+    groups = optimizers.param_groups
+    saved = groups[0].get("initial_lr", groups[0]["lr"]) if groups else config_lr
+    if math.isclose(saved, config_lr, rel_tol=1e-9, abs_tol=0.0):
+        return None
+    if not override:
+        return (
+            f"Checkpoint: using the checkpoint's peak lr {saved:g}; optimizer.lr={config_lr:g} "
+            "in this config is ignored (add --optimizer.override_checkpoint_lr to use it)"
+        )
+    for group in groups:
+        group["initial_lr"] = config_lr
+    lr_schedulers.load_state_dict(lr_schedulers.state_dict())  # recompute lr from the schedule
+    return (
+        f"Checkpoint: using optimizer.lr={config_lr:g} from this config as the peak lr instead of "
+        f"the checkpoint's {saved:g} (optimizer.override_checkpoint_lr)"
+    )

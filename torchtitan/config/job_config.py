@@ -128,6 +128,9 @@ class Optimizer:
     early_step_in_backward: bool = False
     """Step the optimizer per parameter during backward to free gradients early (no clipping)."""
 
+    override_checkpoint_lr: bool = False
+    """On resume, use this config's lr as the peak lr instead of the one saved in the checkpoint."""
+
 
 @dataclass
 class LRScheduler:
@@ -313,6 +316,9 @@ class Checkpoint:
 
     load_only: bool = False
     """Load checkpoints but never save any."""
+
+    start_fresh: bool = False
+    """Start from scratch although the folder holds checkpoints (e.g. ones that fail verification); they are left untouched: never loaded, purged or overwritten."""
 
     enable_ft_dataloader_checkpoints: bool = False
     """Save dataloader state per fault-tolerance replica."""

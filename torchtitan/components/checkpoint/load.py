@@ -29,6 +29,7 @@ from torchtitan.components.checkpoint.common import (
     quiet_dcp,
     rank,
 )
+from torchtitan.components.checkpoint.integrity import first_line, is_fatal_interrupt
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
 
@@ -49,6 +50,32 @@ class LoadPlan:
     """Load only the model weights (every other state starts fresh)."""
     hf: bool
     """``path`` holds HF safetensors (model weights only)."""
+    fallbacks: tuple[tuple[int, str], ...] = ()
+    """Older complete checkpoints ``(step, path)``, newest first, tried in turn when ``path``
+    fails its content check (only when the newest was chosen automatically)."""
+    damaged: tuple[tuple[str, str], ...] = ()
+    """``(path, reason)`` of the checkpoints of the folder that did not verify."""
+
+
+def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> CheckpointError:
+    """The error when ``folder`` holds checkpoints and none of them can be loaded: starting from
+    scratch would let the new run overwrite and purge them, so it needs an explicit choice."""
+    listing = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in damaged)
+    loadable = [
+        parsed[0]
+        for p, why in damaged
+        if _marker_only_damage(p, why) and (parsed := fs.parse_step_dir(os.path.basename(p)))
+    ]
+    choice = (
+        f"load one whose data looks whole anyway with --checkpoint.load_step {max(loadable)}, or "
+        if loadable
+        else "restore them from a copy, or "
+    )
+    return CheckpointError(
+        f"{folder} holds checkpoints but none of them verifies ({listing}); refusing to start "
+        f"from scratch, which would overwrite them: {choice}start from scratch leaving them "
+        "untouched with --checkpoint.start_fresh"
+    )
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -75,9 +102,19 @@ def plan_load(
 def _decide(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
     entries = fs.scan_checkpoints(folder)
     complete = [e for e in entries if e.complete]
+    damaged = tuple(
+        (e.path, e.reason) for e in entries if not e.complete and not e.path.endswith(fs.TMP_SUFFIX)
+    )
+    fallbacks: tuple[tuple[int, str], ...] = ()
     if step >= 0:
         match = [e for e in entries if e.step == step and not e.path.endswith(fs.TMP_SUFFIX)]
-        if not match or not match[0].complete:
+        if match and not match[0].complete and _marker_only_damage(match[0].path, match[0].reason):
+            logger.warning(
+                f"Checkpoint: {match[0].path}: {match[0].reason}; loading it anyway because "
+                f"checkpoint.load_step={step} asks for it (DCP's index {fs.DCP_METADATA} is "
+                "present; file sizes and checksums cannot be checked)"
+            )
+        elif not match or not match[0].complete:
             why = match[0].reason if match else "it does not exist"
             have = [e.step for e in complete]
             raise CheckpointError(
@@ -94,16 +131,43 @@ def _decide(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
         for e in entries:
             if not e.complete and e.step < newest and not e.path.endswith(fs.TMP_SUFFIX):
                 logger.warning(f"Checkpoint: ignoring incomplete checkpoint {e.path}: {e.reason}")
+        if cfg.start_fresh:
+            names = [os.path.basename(e.path) for e in entries if not e.path.endswith(fs.TMP_SUFFIX)]
+            logger.warning(
+                f"Checkpoint: checkpoint.start_fresh: not loading from {folder}"
+                + (f"; {', '.join(names)} stay untouched (never loaded, purged or overwritten)" if names else "")
+            )
+            return _decide_initial(folder, cfg)
         if not complete:
+            if damaged:
+                raise refuse_fresh_start(folder, list(damaged))
             return _decide_initial(folder, cfg)
         entry = complete[-1]
         reason = f"the newest complete checkpoint in {folder}"
+        fallbacks = tuple((e.step, e.path) for e in reversed(complete[:-1]))
     if cfg.initial_load_path:
         logger.info(
             f"Checkpoint: checkpoint.initial_load_path={cfg.initial_load_path} is ignored "
             f"because {folder} already has {fs.step_dir_name(entry.step)} (resuming wins)"
         )
-    return LoadPlan(path=entry.path, step=entry.step, reason=reason, model_only=False, hf=False)
+    return LoadPlan(
+        path=entry.path,
+        step=entry.step,
+        reason=reason,
+        model_only=False,
+        hf=False,
+        fallbacks=fallbacks,
+        damaged=damaged,
+    )
+
+
+def _marker_only_damage(path: str, reason: str) -> bool:
+    """The commit marker is unreadable but DCP's own index (written last) is there."""
+    return (
+        fs.COMMIT_MARKER in reason
+        and "unreadable" in reason
+        and os.path.exists(os.path.join(path, fs.DCP_METADATA))
+    )
 
 
 def decide_initial_load(cfg: CheckpointConfig) -> LoadPlan | None:
@@ -284,9 +348,10 @@ def load_dcp(
     try:
         with quiet_dcp():
             dcp.load(sd, checkpoint_id=path, no_dist=not dist.is_initialized())
-    except Exception as err:  # noqa: BLE001 - DCP raises CheckpointException with many lines
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"loading {path} failed: {first}") from err
+    except BaseException as err:  # DCP's CheckpointException is a BaseException, many lines
+        if is_fatal_interrupt(err):
+            raise
+        raise CheckpointError(f"loading {path} failed: {first_line(err)}") from None
     if MODEL in loaded:
         model.load_state_dict({k: v for k, v in sd.items() if k not in states})
     name = os.path.basename(path)

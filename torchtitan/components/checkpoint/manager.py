@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint import fs, hf
+from torchtitan.components.checkpoint import fs, hf, integrity
 from torchtitan.components.checkpoint.common import (
     DATALOADER,
     EXPORT_DTYPES,
@@ -31,8 +31,9 @@ from torchtitan.components.checkpoint.common import (
     rank,
     world_size,
 )
+from torchtitan.components.checkpoint.guard import SaveGuard
 from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
-from torchtitan.components.checkpoint.load import load_dcp, plan_load
+from torchtitan.components.checkpoint.load import LoadPlan, load_dcp, plan_load, refuse_fresh_start
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
@@ -70,6 +71,9 @@ class CheckpointManager:
         self.enable = bool(cfg.enable or cfg.create_seed_checkpoint)
         self.folder = os.path.join(dump_folder, cfg.folder)
         self.model = ModelWrapper(model_parts)
+        self.guard = SaveGuard(self.model)
+        self.loaded: list[str] = []
+        """The states the last ``load`` restored (empty: nothing was loaded)."""
         self.sd_adapter = sd_adapter
         self.states: dict[str, Stateful] = {}
         for name, obj in (
@@ -195,9 +199,43 @@ class CheckpointManager:
             sd[name] = obj.state_dict()
         return sd
 
+    def newest_safe(self, at_most: int | None = None) -> fs.CheckpointEntry | None:
+        """The newest complete checkpoint of the folder (``step <= at_most``); every save went
+        through the weight guard, so it is the one to resume from after a divergence."""
+        complete = [
+            e for e in fs.complete_checkpoints(self.folder) if at_most is None or e.step <= at_most
+        ]
+        return complete[-1] if complete else None
+
+    def resume_hint(self, step: int) -> str:
+        """Where to resume from after training failed at ``step`` (for the error message)."""
+        if not self.enable:
+            return "checkpointing is off (--checkpoint.enable), so there is no checkpoint to resume from"
+        entry = self.newest_safe(at_most=step)
+        if entry is None:
+            return (
+                f"{self.folder} holds no checkpoint at or before step {step} to resume from: "
+                "start again from scratch"
+            )
+        return (
+            f"the newest safe checkpoint is {entry.path}: resume from it with --checkpoint.load_step "
+            f"{entry.step} (with a lower --optimizer.lr add --optimizer.override_checkpoint_lr)"
+        )
+
     def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> None:
-        """Save after step ``curr_step`` when due (interval, first step, last step) or ``force``."""
+        """Save after step ``curr_step`` when due (interval, first step, last step) or ``force``.
+
+        Skipped, with a warning, when the weights are non-finite or exploded (guard.py)."""
         if not self._should_save(curr_step, last_step, force):
+            return
+        problem = self.guard.problem()
+        if problem:
+            if rank() == 0:
+                safe = self.newest_safe(at_most=curr_step)
+                logger.warning(
+                    f"Checkpoint: not saving step-{curr_step}: {problem}; the newest safe "
+                    f"checkpoint stays {safe.path if safe else 'none'}"
+                )
             return
         cfg = self.config
         model_only = last_step and cfg.last_save_model_only
@@ -260,19 +298,66 @@ class CheckpointManager:
                 logger.info("Checkpoint: checkpoint.enable is off; nothing is loaded")
             return False
         plan = plan_load(self.folder, step, self.config, resume=resume)
+        self._protect_existing(plan)
         if plan is None:
+            self.guard.start()
             return False
         begin = time.perf_counter()
+        if not plan.hf:
+            plan = self._verified(plan, explicit=step >= 0)
         if plan.hf:
             loaded = hf.load_hf(plan.path, self.model, self.sd_adapter, self.exclude)
         else:
             loaded = load_dcp(plan.path, self.model, self.states, self.exclude, plan.model_only)
+        self.loaded = list(loaded)
         if rank() == 0:
             logger.info(
                 f"Checkpoint: loaded {', '.join(loaded)} from {plan.path} ({plan.reason}) "
                 f"in {time.perf_counter() - begin:.2f} s"
             )
+        self.guard.start()
         return True
+
+    def _protect_existing(self, plan: LoadPlan | None) -> None:
+        """Never purge what this run cannot vouch for: damaged checkpoints, and under
+        ``start_fresh`` every checkpoint that was there before."""
+        if plan is not None:
+            self.saver.protected.update(os.path.abspath(p) for p, _ in plan.damaged)
+        if self.config.start_fresh:
+            self.saver.protected.update(
+                os.path.abspath(e.path)
+                for e in fs.scan_checkpoints(self.folder)
+                if not e.path.endswith(fs.TMP_SUFFIX)
+            )
+
+    def _verified(self, plan: LoadPlan, explicit: bool) -> LoadPlan:
+        """``plan`` once its files match their checksums; else the newest older checkpoint that
+        does (with a warning naming the file), or an error when none is left."""
+        damaged = list(plan.damaged)
+        candidates = [(plan.step, plan.path), *plan.fallbacks]
+        for i, (step, path) in enumerate(candidates):
+            problem = integrity.verify_content(path)
+            if not problem:
+                if i == 0:
+                    return plan
+                return LoadPlan(
+                    path=path,
+                    step=step,
+                    reason=f"the newest checkpoint in {self.folder} whose files match their checksums",
+                    model_only=plan.model_only,
+                    hf=False,
+                )
+            self.saver.protected.add(os.path.abspath(path))
+            damaged.append((path, problem))
+            if explicit or step is None:
+                raise CheckpointError(f"cannot load {path}: {problem}; it is left untouched")
+            if rank() == 0:
+                following = candidates[i + 1][1] if i + 1 < len(candidates) else None
+                logger.warning(
+                    f"Checkpoint: skipping damaged checkpoint {path}: {problem}; "
+                    + (f"falling back to {following}" if following else "no older checkpoint is left")
+                )
+        raise refuse_fresh_start(self.folder, damaged)
 
     # --- shutdown --------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,9 +1,13 @@
 """Writing checkpoints: synchronous and async DCP saves, the commit, and purging old ones.
 
-Each save is written to ``step-N.tmp``; once every rank finished writing, rank 0 commits it
-(``fs.commit_checkpoint``: marker + rename). Async saves run on their own gloo process group
-(DCP's collectives must not interleave with training collectives) and are committed when the
-background write has finished. ``SaveHooks`` are called at each phase (see hooks.py).
+Each save is written to ``step-N.tmp``; every rank records the CRC32 of the files it wrote
+(in the writing thread: for async saves off the training thread); once every rank finished
+writing, rank 0 commits it (``fs.commit_checkpoint``: marker with sizes and checksums + rename).
+Async saves run on their own gloo process group (DCP's collectives must not interleave with
+training collectives) and are committed when the background write has finished on every rank
+(the ranks agree on it, so they commit, and fail, together). A failed save (disk full, ...) is
+one ``CheckpointError`` line naming the path and the OS error; the partial ``step-N.tmp`` is
+removed and older checkpoints are untouched. ``SaveHooks`` are called at each phase (hooks.py).
 """
 
 from __future__ import annotations
@@ -16,18 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import fs
 from torchtitan.components.checkpoint.common import (
     CheckpointError,
+    agree,
     barrier,
     quiet_dcp,
     rank,
     world_size,
 )
 from torchtitan.components.checkpoint.hooks import SaveHooks
+from torchtitan.components.checkpoint.integrity import describe_save_failure, is_fatal_interrupt
 from torchtitan.tools.logging import logger
 
 
@@ -50,15 +57,24 @@ class InFlightSave:
     """``time.perf_counter()`` when the save started."""
 
 
-class _ObservedWriter(dcp.FileSystemWriter):
-    """A FileSystemWriter that reports when the data files are written, before ``.metadata``."""
+class _Writer(dcp.FileSystemWriter):
+    """A FileSystemWriter that records the CRC32 of each rank's files right after writing them
+    and reports when every data file is written, before ``.metadata``."""
 
-    def __init__(self, path: str, on_data_written: Callable[[], None]) -> None:
+    def __init__(self, path: str, on_data_written: Callable[[], None] | None) -> None:
         super().__init__(path)
+        self._dir = path
         self._on_data_written = on_data_written
 
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        fs.write_checksum_sidecar(self._dir, rank(), [r.storage_data.relative_path for r in results])
+        return future
+
     def finish(self, metadata, results):  # runs on the coordinator before .metadata is written
-        self._on_data_written()
+        if self._on_data_written is not None:
+            self._on_data_written()
         return super().finish(metadata, results)
 
 
@@ -90,6 +106,10 @@ class CheckpointSaver:
         self._stager = None
         self.in_flight: InFlightSave | None = None
         self._purge_thread: threading.Thread | None = None
+        self.written: set[str] = set()
+        """``step-N`` folders this run committed (a later save of that step replaces them)."""
+        self.protected: set[str] = set()
+        """Folders never purged: checkpoints found damaged, or pre-existing under start_fresh."""
         if background:
             if dist.is_initialized():
                 # DCP's collectives must not interleave with training collectives on one group.
@@ -102,21 +122,39 @@ class CheckpointSaver:
     def _prepare_tmp(self, step: int) -> tuple[str, str]:
         final = os.path.join(self.folder, fs.step_dir_name(step))
         tmp = final + fs.TMP_SUFFIX
+        error = None
         if rank() == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError as err:
+                error = str(self._failed(step, tmp, err))
+        agree(error)
         return tmp, final
 
     def _writer(self, tmp: str, step: int) -> dcp.FileSystemWriter:
-        if self._observe_writes:
-            return _ObservedWriter(tmp, lambda: self.hooks.data_written(step, tmp))
-        return dcp.FileSystemWriter(tmp)
+        on_written = (lambda: self.hooks.data_written(step, tmp)) if self._observe_writes else None
+        return _Writer(tmp, on_written)
 
     def _commit(self, step: int, tmp: str, final: str, info: dict[str, Any]) -> None:
-        """Rank 0: write the marker, rename, tell the hooks."""
-        fs.commit_checkpoint(tmp, final, info)
+        """Rank 0: write the marker, rename (an existing ``step-N`` this run did not write is
+        moved aside, never deleted), tell the hooks."""
+        aside = fs.commit_checkpoint(tmp, final, info, replace=os.path.abspath(final) in self.written)
+        self.written.add(os.path.abspath(final))
+        if aside is not None:
+            self.protected.add(os.path.abspath(aside))
+            logger.warning(
+                f"Checkpoint: {final} already existed (not written by this run); kept it as {aside} "
+                "(never loaded or purged: delete it once you no longer need it)"
+            )
         self.hooks.after_commit(step, final)
+
+    def _failed(self, step: int, tmp: str, err: BaseException) -> CheckpointError:
+        """Remove the partial write (rank 0) and describe the failure in one line."""
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        intact = [e.step for e in fs.complete_checkpoints(self.folder)]
+        return CheckpointError(describe_save_failure(step, tmp, err, intact))
 
     def save_sync(
         self,
@@ -130,14 +168,24 @@ class CheckpointSaver:
         Call only when no async save is in flight."""
         begin = time.perf_counter()
         tmp, final = self._prepare_tmp(step)
-        with quiet_dcp():
-            dcp.save(sd, storage_writer=self._writer(tmp, step), no_dist=not dist.is_initialized())
+        try:
+            with quiet_dcp():
+                dcp.save(sd, storage_writer=self._writer(tmp, step), no_dist=not dist.is_initialized())
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if is_fatal_interrupt(err):
+                raise
+            raise self._failed(step, tmp, err) from None
         barrier()  # every rank has written its files
         self.hooks.before_commit(step, tmp)
+        error = None
         if rank() == 0:
-            if export is not None:
-                export(tmp)
-            self._commit(step, tmp, final, {**info, "world_size": world_size()})
+            try:
+                if export is not None:
+                    export(tmp)
+                self._commit(step, tmp, final, {**info, "world_size": world_size()})
+            except OSError as err:
+                error = str(self._failed(step, tmp, err))
+        agree(error)  # every rank raises together (none waits in a barrier for rank 0)
         barrier()
         if rank() == 0:
             kind = "model-only checkpoint" if info["model_only"] else "checkpoint"
@@ -156,8 +204,13 @@ class CheckpointSaver:
             kwargs["process_group"] = self._pg
         if self._stager is not None:
             kwargs["async_stager"] = self._stager
-        with quiet_dcp():
-            result = dcp.async_save(sd, storage_writer=self._writer(tmp, step), **kwargs)
+        try:
+            with quiet_dcp():
+                result = dcp.async_save(sd, storage_writer=self._writer(tmp, step), **kwargs)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if is_fatal_interrupt(err):
+                raise
+            raise self._failed(step, tmp, err) from None
         self.in_flight = InFlightSave(
             step=step,
             tmp=tmp,
@@ -177,17 +230,23 @@ class CheckpointSaver:
         job = self.in_flight
         assert job is not None
         self.in_flight = None
+        error = None
         try:
             job.upload.result()
-        except Exception as err:  # noqa: BLE001 - report the failed background write in one line
-            raise CheckpointError(
-                f"the async save of step-{job.step} to {job.tmp} failed: {err}; older "
-                "checkpoints are intact (check free disk space and permissions)"
-            ) from err
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if is_fatal_interrupt(err):
+                raise
+            error = str(self._failed(job.step, job.tmp, err))
+        agree(error)
         self.hooks.before_commit(job.step, job.tmp)
         if rank() == 0:
             # Rank 0's DCP finish gathered every rank's write results: all files are on disk.
-            self._commit(job.step, job.tmp, job.final, job.info)
+            try:
+                self._commit(job.step, job.tmp, job.final, job.info)
+            except OSError as err:
+                error = str(self._failed(job.step, job.tmp, err))
+        agree(error)
+        if rank() == 0:
             logger.info(
                 f"Checkpoint: committed async step-{job.step} to {job.final} "
                 f"({time.perf_counter() - job.begin:.2f} s after it started)"
@@ -207,7 +266,7 @@ class CheckpointSaver:
             return
         if job.staging is not None:
             job.staging.result()
-        if job.upload.done():
+        if _all_ranks(job.upload.done()):
             self._finish_in_flight()
 
     def purge(self) -> None:
@@ -218,6 +277,7 @@ class CheckpointSaver:
         if self._purge_thread is not None:
             self._purge_thread.join()
         protect = [self.in_flight.tmp] if self.in_flight else []
+        protect += sorted(self.protected)
         doomed = fs.purge_candidates(self.folder, k, protect)
         if not doomed:
             return
@@ -241,6 +301,15 @@ class CheckpointSaver:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _all_ranks(flag: bool) -> bool:
+    """True when ``flag`` is True on every rank (a MIN all-reduce; identity in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def save_dcp_single_process(state_dict: dict[str, Any], path: str, info: dict[str, Any]) -> None:
