@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         if bare_step is not None:
             bare_times += _time_steps(bare_step, 1, 0 if i >= args.warmup else 1, sync)
     step_s = statistics.median(times)
+    # Tokens of one data-parallel rank's batch, split over the ranks that share it (cp x tp x pp).
     tokens = cfg.training.local_batch_size * cfg.training.seq_len * trainer.gradient_accumulation_steps
-    tps = tokens / step_s
+    tps = tokens / step_s / trainer.parallel_dims.non_data_parallel_size
     tflops = trainer.run.flops_per_token * tps / 1e12
     peak = trainer.metrics.peak_flops
     mem = trainer.metrics.memory_monitor.get_peak_stats()
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "device": device_type,
         "world_size": trainer.parallel_dims.world_size,
+        "rank": trainer.rank,
         "step_s": round(step_s, 4),
         "tokens_per_s": round(tps, 1),
         "tflops": round(tflops, 4),
@@ -120,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         result["baseline_step_s"] = round(base, 4)
         result["framework_over_baseline"] = round(step_s / base, 4)
     trainer.close()
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo can abort in interpreter finalisation otherwise
+        from torchtitan.distributed.utils import hard_exit, shutdown_distributed
+
+        shutdown_distributed()
+        hard_exit(0)
     return 0
 
 

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from tests.distributed.launcher import launch
-from tests.distributed.trainer_runs import STEPS, from_seed, run_sequence, seed_args
+from tests.distributed.trainer_runs import (
+    BASE_ARGS,
+    STEPS,
+    from_seed,
+    resume_args,
+    run_sequence,
+    seed_args,
+)
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
@@ -59,17 +66,26 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     root = tmp_path_factory.mktemp("cp")
     seed_dir = str(root / "seed" / "checkpoint" / "step-0")
     out: dict[str, list[dict[str, list[float]]]] = {}
-    for world, layouts, first in (
-        (1, ONE_RANK, [seed_args(str(root / "seed"))]),
-        (2, TWO_RANKS, []),
-        (4, FOUR_RANKS, []),
+    saved = str(root / "cp2_fsdp2_saved")
+    # CP2 x FSDP2 trains 2 steps and saves; FSDP4 and one device resume from that checkpoint.
+    save = [*BASE_ARGS, "--job.dump_folder", saved, "--checkpoint.enable",
+            "--checkpoint.initial_load_path", seed_dir, "--training.steps", "2",
+            "--checkpoint.interval", "2", *CP2, *FSDP2]
+    resume_fsdp4 = resume_args(saved, 2, "--parallelism.data_parallel_shard_degree", "4",
+                               "--training.local_batch_size", "2")
+    resume_one = resume_args(saved, 2)
+    for world, layouts, first, last in (
+        (1, ONE_RANK, [seed_args(str(root / "seed"))], {}),
+        (2, TWO_RANKS, [], {}),
+        (4, FOUR_RANKS, [], {"saved": save, "resumed_fsdp4": resume_fsdp4}),
+        (1, {}, [], {"resumed_one": resume_one}),
     ):
         argvs = first + [
             from_seed(seed_dir, str(root / name), *VALIDATION, *flags)
             for name, flags in layouts.items()
-        ]
+        ] + list(last.values())
         per_rank = launch(run_sequence, world, argvs, timeout_s=300)
-        for i, name in enumerate(layouts):
+        for i, name in enumerate([*layouts, *last]):
             out[name] = [rank[len(first) + i] for rank in per_rank]
     return out
 
@@ -129,3 +145,18 @@ def test_cpu_ring_attention_matches_full_attention(rotate_method):
     for rank, errors in enumerate(launch(ring_attention_vs_sdpa, 2, rotate_method)):
         assert errors.pop("local_seq") == 8.0  # each rank really holds half the sequence
         assert max(errors.values()) < 1e-5, f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("resumed", ["resumed_fsdp4", "resumed_one"])
+def test_cp_checkpoint_resumes_under_another_layout(resumed, runs):
+    """Saved at CP2 x FSDP2 after step 2: the steps after it equal the uninterrupted run."""
+    uninterrupted = runs["cp2_fsdp2"][0]
+    saved = runs["saved"][0]
+    torch.testing.assert_close(saved["loss"], uninterrupted["loss"][:2], **TOL)
+    for rank, run in enumerate(runs[resumed]):
+        assert run["first_step"] == [3]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                run[key], uninterrupted[key][2:], **TOL,
+                msg=lambda m, k=key, r=rank: f"{resumed} rank {r} {k}: {m}",
+            )

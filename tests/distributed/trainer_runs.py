@@ -43,12 +43,13 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class FixedBatches:
     """This data-parallel rank's rows of each step's global batch, ``rows`` at a time."""
 
-    def __init__(self, dp_rank: int, dp_degree: int, rows: int):
+    def __init__(self, dp_rank: int, dp_degree: int, rows: int, first_step: int = 0):
         self.dp_rank, self.dp_degree, self.rows = dp_rank, dp_degree, rows
+        self.first_step = first_step
 
     def __iter__(self):
         per_rank = GLOBAL_BATCH // self.dp_degree
-        step = 0
+        step = self.first_step
         while True:
             inputs, labels = global_batch(step)
             lo = self.dp_rank * per_rank
@@ -69,25 +70,36 @@ def from_seed(seed_dir: str, dump: str, *extra: str) -> list[str]:
             "--checkpoint.load_only", "--checkpoint.initial_load_path", seed_dir, *extra]
 
 
+def resume_args(dump: str, step: int, *extra: str) -> list[str]:
+    """Resume from ``dump``'s checkpoint at ``step`` under another layout (the fixed batches
+    stand in for the dataloader, so its saved position is not loaded)."""
+    return [*BASE_ARGS, "--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.load_step",
+            str(step), "--checkpoint.exclude_from_loading", "dataloader", *extra]
+
+
 def run_trainer(argv: list[str]) -> dict[str, list[float]]:
-    """Build a Trainer in this (launched) process, feed it fixed batches, record its steps."""
+    """Build a Trainer in this (launched) process, load its checkpoint, run the remaining steps
+    on fixed batches (saving as configured), and record them."""
     from torchtitan.config.manager import ConfigManager
     from torchtitan.train import Trainer
 
     trainer = Trainer(ConfigManager().parse_args(argv))
     dims = trainer.parallel_dims
-    trainer.dataloader = FixedBatches(
-        dims.mesh_local_rank("dp"), dims.dp_degree, trainer.job_config.training.local_batch_size
-    )
+    cfg = trainer.job_config
     record: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     try:
-        assert trainer.checkpointer.load()  # the seed checkpoint's weights
-        iterator = iter(trainer.dataloader)
-        for _ in range(trainer.job_config.training.steps):
+        assert trainer.checkpointer.load(step=cfg.checkpoint.load_step)  # seed or resume
+        record["first_step"] = [trainer.step + 1]
+        batches = FixedBatches(
+            dims.mesh_local_rank("dp"), dims.dp_degree, cfg.training.local_batch_size, trainer.step
+        )
+        iterator = iter(batches)
+        while trainer.step < cfg.training.steps:
             trainer.step += 1
             loss, grad_norm = trainer.train_step(iterator)
             record["loss"].append(loss)
             record["grad_norm"].append(grad_norm)
+            trainer.checkpointer.save(trainer.step, last_step=trainer.step == cfg.training.steps)
         record["accumulation"] = [trainer.gradient_accumulation_steps]
         if trainer.validator is not None:
             record["val"] = [trainer.validator.validate(trainer.model_parts)]
