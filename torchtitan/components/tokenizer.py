@@ -236,7 +236,11 @@ class HuggingFaceTokenizer(BaseTokenizer):
                 "run `pip install tokenizers`, or point model.hf_assets_path at a tokenizer.model."
             ) from e
         self.path = str(path)
-        self.model = Tokenizer.from_file(str(path))
+        _check_hf_json(path)
+        try:
+            self.model = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the Rust error type is a bare Exception
+            raise ValueError(f"Tokenizer file {path} could not be loaded as a HF tokenizer.json: {e}") from None
         cfg = _read_tokenizer_config(Path(path).parent / "tokenizer_config.json")
         self._bos_id = self._special_id(cfg.get("bos_token"), _HF_BOS_CANDIDATES)
         self._eos_id = self._special_id(cfg.get("eos_token"), _HF_EOS_CANDIDATES)
@@ -284,6 +288,23 @@ def _read_tokenizer_config(path: Path) -> dict:
         return {}
 
 
+def _check_hf_json(path: str | Path) -> None:
+    """One line for a ``tokenizer.json`` that is not JSON (with the line and column) or not a
+    HF tokenizer (no ``model`` entry)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"Tokenizer file {path} is not a HF tokenizer.json: not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"Tokenizer file {path} is not a HF tokenizer.json: not valid JSON at line {e.lineno}, "
+            f"column {e.colno} ({e.msg})"
+        ) from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ValueError(f"Tokenizer file {path} is JSON but not a HF tokenizer.json (it has no 'model' entry)")
+
+
 def detect_tokenizer_kind(path: str | Path) -> str:
     """``"tiktoken"``, ``"sentencepiece"`` or ``"huggingface"``, from the file's content.
 
@@ -297,7 +318,7 @@ def detect_tokenizer_kind(path: str | Path) -> str:
     first_line = head.split(b"\n", 1)[0]
     if _TIKTOKEN_LINE.match(first_line):
         return "tiktoken"
-    if head.lstrip()[:1] == b"{":
+    if head.lstrip()[:1] == b"{" or str(path).endswith(".json"):
         return "huggingface"
     # sentencepiece ModelProto starts with field 1 (repeated SentencePiece, length-delimited).
     if head[:1] == b"\x0a":

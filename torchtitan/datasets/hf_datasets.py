@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.datasets import text_checks
 
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
@@ -145,7 +146,7 @@ def _no_download_count():
         hf_config.HF_UPDATE_DOWNLOAD_COUNTS = old
 
 
-def _load_local(path: Path, streaming: bool):
+def _load_local(path: Path, streaming: bool, column: str = "text"):
     import datasets
 
     if path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
@@ -174,16 +175,22 @@ def _load_local(path: Path, streaming: bool):
         raise ValueError(
             f"Dataset folder {path} mixes file formats ({sorted(builders)}); keep one format."
         )
-    with _no_download_count():
-        return datasets.load_dataset(
-            builders.pop(), data_files=[str(f) for f in files], split="train", streaming=streaming
-        )
+    text_checks.check_not_empty(files)
+    try:
+        with _no_download_count():
+            ds = datasets.load_dataset(
+                builders.pop(), data_files=[str(f) for f in files], split="train", streaming=streaming
+            )
+    except Exception as err:  # noqa: BLE001 - HF/pyarrow errors are many lines: name the bad line
+        raise text_checks.explain_load_failure(files, column, err) from None
+    text_checks.check_text_feature(ds, files, column, str(path))
+    return ds
 
 
 def load_text_dataset(cfg: DatasetConfig, dataset_name: str = ""):
     """Load ``cfg`` with HF ``datasets``: a ``Dataset``, or an ``IterableDataset`` when streaming."""
     if cfg.local:
-        ds = _load_local(_local_path(cfg, dataset_name), cfg.streaming)
+        ds = _load_local(_local_path(cfg, dataset_name), cfg.streaming, cfg.text_column)
     else:
         import datasets
 
@@ -317,12 +324,30 @@ class HuggingFaceTextDataset(IterableDataset, Stateful):
         while True:
             while len(self._token_buffer) >= window:
                 yield self._pop_window(window)
+            whole_pass = self._docs_consumed == 0
+            tokens = skipped = 0
             for text in self._iter_docs():
-                if not text or text.isspace():
+                if not isinstance(text, str) or not text or text.isspace():
+                    if text is not None and not isinstance(text, str):
+                        raise text_checks.bad_document(
+                            self.dataset_name, self._docs_consumed - 1, self.cfg.text_column, text
+                        )
+                    skipped += 1
                     continue
-                self._token_buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
+                ids = self.tokenizer.encode(text, bos=True, eos=True)
+                tokens += len(ids)
+                self._token_buffer.extend(ids)
                 while len(self._token_buffer) >= window:
                     yield self._pop_window(window)
+            if skipped and whole_pass and self._epoch == 0:  # once: later passes repeat it
+                logger.warning(
+                    "Dataset %s: skipped %d empty or missing texts of %d in a pass (dp rank %d).",
+                    self.dataset_name, skipped, self._docs_consumed, self.dp_rank,
+                )
+            if whole_pass and tokens == 0 and self._docs_consumed > 0:
+                raise text_checks.empty_pass(
+                    self.dataset_name, self.cfg.path, self._docs_consumed, self.dp_rank
+                )
             if self._docs_consumed == 0:  # this rank/worker has no documents at all
                 worker_id, num_workers = _worker()
                 if num_workers > 1 or not self.infinite:

@@ -1,0 +1,139 @@
+"""Bad data is one clear line, never a traceback or an endless loop.
+
+Policy (docs/datasets.md):
+
+* a document whose text is empty, whitespace-only or missing/null is **skipped**; the number
+  skipped is logged after each pass over the data;
+* a line that is not JSON, or a text that is not a string (a number, a list, an object), **stops
+  the job** with the file, the line number and how many lines are bad: dropping such lines
+  silently usually hides a broken export;
+* an empty file, and a whole pass over the data that yields no token at all (every document
+  empty: the loader would re-loop forever), stop the job naming the file.
+
+The line scans run only on an error path (or when HF ``datasets`` inferred a non-string column),
+so a good file is read once, by HF.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_JSON_LINES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_MAX_LISTED = 5
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _records(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of the non-blank lines of a JSON-lines file."""
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def _is_json_lines(path: Path) -> bool:
+    if not path.name.lower().endswith(_JSON_LINES):
+        return False
+    with _open_text(path) as f:
+        head = f.read(4096).lstrip()
+    return not head.startswith("[")  # a single JSON array is not line-oriented
+
+
+def check_not_empty(files: list[Path]) -> None:
+    for path in files:
+        if path.stat().st_size == 0:
+            raise ValueError(f"Dataset file {path} is empty (0 bytes): it holds no documents.")
+
+
+def _scan(files: list[Path], column: str) -> tuple[list[str], list[str]]:
+    """Descriptions of the lines that are not JSON, and of those whose ``column`` is not text."""
+    not_json: list[str] = []
+    not_text: list[str] = []
+    for path in files:
+        if not _is_json_lines(path):
+            continue
+        for lineno, line in _records(path):
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                not_json.append(f"{path}:{lineno}: not valid JSON ({err})")
+                continue
+            text = value.get(column) if isinstance(value, dict) else value
+            if text is not None and not isinstance(text, str):
+                shown = json.dumps(text)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                not_text.append(f"{path}:{lineno}: {column!r} is {type(text).__name__} {shown}, not a string")
+    return not_json, not_text
+
+
+def _summary(bad: list[str], what: str) -> str:
+    first = bad[0]
+    more = f"; {len(bad)} lines are {what} in all" if len(bad) > 1 else ""
+    them = "them" if len(bad) > 1 else "it"
+    return f"{first}{more}. Fix or remove {them} (bad lines are never skipped silently)."
+
+
+def explain_load_failure(files: list[Path], column: str, err: BaseException) -> ValueError:
+    """HF ``datasets`` failed to read local ``files``: the bad line, in one line."""
+    not_json, not_text = _scan(files, column)
+    if not_json:
+        return ValueError(f"Dataset {_summary(not_json, 'not JSON')}")
+    if not_text:
+        return ValueError(f"Dataset {_summary(not_text, 'not text')}")
+    lines = str(err).strip().splitlines()
+    cause = err.__cause__ or err.__context__
+    detail = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    return ValueError(
+        f"Dataset files {', '.join(map(str, files))} could not be read: "
+        f"{type(err).__name__}: {lines[0] if lines else ''}" + (f" ({detail})" if detail else "")
+    )
+
+
+def check_text_feature(ds: Any, files: list[Path] | None, column: str, name: str) -> None:
+    """Stop when HF inferred a non-string ``column`` (numbers, mixed types), naming the line."""
+    features = getattr(ds, "features", None)
+    if not features or column not in features:
+        return
+    feature = features[column]
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return
+    if files:
+        _, not_text = _scan(files, column)
+        if not_text:
+            raise ValueError(f"Dataset {_summary(not_text, 'not text')}")
+    raise ValueError(
+        f"Dataset {name}: column {column!r} holds {feature}, not strings; each document's text "
+        f"must be a string."
+    )
+
+
+def bad_document(name: str, index: int, column: str, text: Any) -> ValueError:
+    """A document (number ``index`` of this rank's pass) whose text is not a string."""
+    shown = repr(text)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return ValueError(
+        f"Dataset {name}: document {index} of this rank's shard has {column!r} = {shown} "
+        f"({type(text).__name__}), not a string; fix or remove it (bad lines are never skipped "
+        "silently)."
+    )
+
+
+def empty_pass(name: str, source: str, docs: int, dp_rank: int) -> ValueError:
+    return ValueError(
+        f"Dataset {name} ({source}): a whole pass over the {docs} documents of dp rank "
+        f"{dp_rank} gave no tokens (every text is empty, whitespace or missing); the loader "
+        "would re-loop forever. Check the file and its text column."
+    )
