@@ -3,7 +3,9 @@
 Every run starts from one seed checkpoint and sees the same global batch per step
 (tests/distributed/trainer_runs.py); each CP layout is compared with the layout that has the
 same data-parallel degree but cp = 1, so the data is identical: CP2 vs one device (both
-rotate methods), CP2 x FSDP2 vs FSDP2, CP2 x TP2 vs TP2, CP2 x PP2 vs PP2. Head-tail load
+rotate methods; and with full activation checkpointing + per-block compile), CP2 x FSDP2 vs
+FSDP2, CP2 x TP2 vs TP2, CP2 x PP2 vs PP2, CP2 x DDP2 (HSDP over replicate x cp) vs DDP2.
+Head-tail load
 balancing is on (causal attention). Per-step loss and grad norm over 4 AdamW steps, and a
 validation loss after them, agree within rtol/atol 1e-5: ring attention merges per-block
 softmax results through their log-sum-exp in fp32, so CP changes only the order of fp32 sums
@@ -46,11 +48,15 @@ TWO_RANKS = {
     "fsdp2": FSDP2,
     "tp2": [*TP2, *NO_DP],
     "pp2": [*PP2, *NO_DP],
+    "ddp2": [*NO_DP, "--parallelism.data_parallel_replicate_degree", "2"],
+    "cp2_ac_compile": [*CP2, *NO_DP, "--activation_checkpoint.mode", "full",
+                       "--compile.enable", "--compile.backend", "aot_eager"],
 }
 FOUR_RANKS = {
     "cp2_fsdp2": [*CP2, *FSDP2],
     "cp2_tp2": [*CP2, *TP2, *NO_DP],
     "cp2_pp2": [*CP2, *PP2, *NO_DP],
+    "cp2_ddp2": [*CP2, *NO_DP, "--parallelism.data_parallel_replicate_degree", "2"],
 }
 PAIRS = [
     ("cp2_allgather", "one"),
@@ -58,6 +64,8 @@ PAIRS = [
     ("cp2_fsdp2", "fsdp2"),
     ("cp2_tp2", "tp2"),
     ("cp2_pp2", "pp2"),
+    ("cp2_ddp2", "ddp2"),
+    ("cp2_ac_compile", "one"),
 ]
 
 
