@@ -201,3 +201,22 @@ def test_exploded_weights_are_never_saved_and_nan_names_the_safe_checkpoint(tmp_
     assert "loss became nan" in line or "grad norm nan" in line
     assert f"the newest safe checkpoint is {folder}/step-3: resume from it with --checkpoint.load_step 3" in line
     assert sorted(os.listdir(folder)) == ["step-1", "step-2", "step-3"]  # nothing poisoned saved
+
+
+def test_unwritable_folder_fails_before_training_and_short_space_warns(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    code, log = run(tmp_path, "--training.steps", "2", "--checkpoint.folder", str(blocker / "ckpt"))
+    assert code != 0
+    (line,) = errors(log)
+    assert f"the checkpoint folder {blocker}/ckpt is not writable" in line and "ENOTDIR" in line
+    assert not any("step:" in m or "Training starts" in m for m in log.lines())  # before step 1
+
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    code, log = run(tmp_path, "--training.steps", "1", "--checkpoint.interval", "100")
+    short = [m for m in log.lines(logging.WARNING) if "less than one checkpoint" in m]
+    assert short and "0.00 GiB free" in short[0] and "GiB: weights + optimizer state" in short[0]

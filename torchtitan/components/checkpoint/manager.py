@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.components.checkpoint import fs, hf, integrity
+from torchtitan.components.checkpoint import fs, hf, integrity, space
 from torchtitan.components.checkpoint.common import (
     DATALOADER,
     EXPORT_DTYPES,
@@ -130,6 +130,9 @@ class CheckpointManager:
             )
         if self.enable:
             self._log_setup()
+        if self.enable and not cfg.load_only:
+            space.check_writable(self.folder)
+            space.warn_if_short(self.folder, space.checkpoint_bytes(self.model))
 
     # --- configuration ---------------------------------------------------------------------
     def _parse_exclude(self, raw: list[str] | str) -> list[str]:

@@ -1,0 +1,79 @@
+"""Start-up checks of the checkpoint folder: found before the first step, not at the first save.
+
+* the folder must be creatable and writable (a probe file is written and removed by rank 0;
+  every rank gets the same one-line error);
+* its free space is compared with an estimate of one checkpoint (the model's weights in their
+  dtype plus the optimizer's state, two tensors of the weights' size for Adam/AdamW): a
+  warning when it is short, since the first save would then fail with "no space left".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch.distributed as dist
+
+from torchtitan.components.checkpoint.common import ModelWrapper, agree, rank
+from torchtitan.tools.logging import logger
+
+OPTIMIZER_COPIES = 2
+"""Adam/AdamW keep two tensors (exp_avg, exp_avg_sq) per weight."""
+
+
+def check_writable(folder: str) -> None:
+    """Raise CheckpointError on every rank unless rank 0 can create ``folder`` and write in it."""
+    error = None
+    if rank() == 0:
+        probe = os.path.join(folder, f".write-test-{os.getpid()}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as err:
+            from torchtitan.components.checkpoint.integrity import describe_os_error
+
+            error = (
+                f"the checkpoint folder {folder} is not writable: {describe_os_error(err)}; fix "
+                "job.dump_folder / checkpoint.folder or the permissions (checked before training "
+                "so the first save does not fail)"
+            )
+    agree(error)
+
+
+def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES) -> int:
+    """Estimated size of one full checkpoint of ``model`` (all ranks, all pipeline stages)."""
+    mine: dict[str, int] = {}
+    for part in model.model_parts:
+        for name, p in part.named_parameters():
+            mine[name] = p.numel() * p.element_size()  # a DTensor's numel is the global one
+    merged: dict[str, Any] = dict(mine)
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        for d in everyone:
+            merged.update(d or {})
+    return int(sum(merged.values()) * (1 + optimizer_copies))
+
+
+def warn_if_short(folder: str, estimate: int) -> None:
+    """Rank 0: warn when ``folder``'s file system has less room than one checkpoint."""
+    if rank() != 0:
+        return
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    gib = 1024**3
+    if free < estimate:
+        logger.warning(
+            f"Checkpoint: {folder} has {free / gib:.2f} GiB free, less than one checkpoint "
+            f"(~{estimate / gib:.2f} GiB: weights + optimizer state); saves will fail with "
+            "'no space left' unless space is freed (older checkpoints are never touched)"
+        )
+    else:
+        logger.info(
+            f"Checkpoint: one checkpoint is ~{estimate / gib:.2f} GiB; {free / gib:.1f} GiB free in {folder}"
+        )
