@@ -67,16 +67,18 @@ def test_fake_backend_32_ranks_debug_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_fake_backend_128_ranks_70b_config_with_1b_flavor(tmp_path):
-    """llama3_70b.toml's layout (TP 8 x FSDP 16, full AC, seq 8192) at 128 ranks; no tokenizer."""
+def test_fake_backend_128_ranks_70b_config_with_1b_flavor_and_cp4(tmp_path):
+    """llama3_70b.toml's layout (TP 8, full AC, seq 8192) at 128 ranks with context parallel 4
+    (FSDP over dp_shard 4 x cp 4); no tokenizer."""
     proc = _run(
         {"NGPU": "128", "COMM_MODE": "fake_backend", "CONFIG_FILE": "./train_configs/llama3_70b.toml"},
-        "--model.flavor", "1B", tmp=tmp_path,
+        "--model.flavor", "1B", "--parallelism.context_parallel_degree", "4", tmp=tmp_path,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "no tokenizer" in out  # ./assets/hf/Llama-3.1-70B is absent: flavor vocab is used
-    assert "dp_shard=16, cp=1, tp=8" in out
+    assert "dp_shard=4, cp=4, tp=8" in out
+    assert "Applied FSDP to the model (mesh {'dp_shard_cp': 16}" in out
     assert "Applied tensor parallel (degree 8" in out
     assert "step 1 ran forward, backward and the optimizer on fake tensors" in out
 
