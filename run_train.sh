@@ -147,13 +147,10 @@ if ((NUM_CUDA_GPUS == 0 && NGPU > 1)) && [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS=$((threads > 0 ? threads : 1))
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    launcher=(torchrun)
-else
-    launcher=("$PYTHON" -m torch.distributed.run)
-fi
-
+# torchrun, run by torchtitan.launch: it first checks the trainer's config for NGPU ranks in
+# this one process (a bad config: one "error:" line, exit 2, no torchrun), and after a failure
+# prints the failing rank's one-line reason whatever LOG_RANK shows, exiting with its code.
 set -x
-exec "${launcher[@]}" --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
-    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    "${entry[@]}" "${config_args[@]}" "$@"
+exec "$PYTHON" -m torchtitan.launch --nproc_per_node="$NGPU" --rdzv_backend c10d \
+    --rdzv_endpoint="localhost:0" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -- "${entry[@]}" "${config_args[@]}" "$@"

@@ -150,7 +150,7 @@ def log_resolved_config(cfg: JobConfig, rank: int) -> None:
     """Rank 0 prints (``job.print_config``) and saves (``job.save_config_file``) the config."""
     if rank != 0:
         return
-    from torchtitan.config.manager import config_to_toml, save_config
+    from torchtitan.config.toml_io import config_to_toml, save_config
 
     if cfg.job.print_config:
         logger.info(f"Resolved config:\n{config_to_toml(cfg)}")
@@ -172,9 +172,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         importlib.import_module(cfg.experimental.custom_import)
     device = device if device is not None else get_device()
     parallel_dims = ParallelDims.from_config(cfg.parallelism, comm_mode.world_size)
+    reject_planned_features(cfg, parallel_dims)  # not built: refused before any mode's rules
     comm_mode.prepare(cfg, parallel_dims)
     comm_mode.init_process_group(cfg, device_type)
-    reject_planned_features(cfg, parallel_dims)
     world_mesh = parallel_dims.build_mesh(device.type)
     rank = dist.get_rank() if dist.is_initialized() else 0
     log_resolved_config(cfg, rank)

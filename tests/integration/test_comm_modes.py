@@ -121,13 +121,6 @@ def test_refusals_name_the_parallelism(mode, degrees, refused):
         COMM_MODES[mode](degrees["world_size"]).prepare(JobConfig(), _dims(**degrees))
 
 
-def test_local_tensor_refuses_compile():
-    cfg = JobConfig()
-    cfg.compile.enable = True
-    with pytest.raises(ParallelismError, match=r"torch.compile \(compile.enable\)"):
-        COMM_MODES["local_tensor"](4).prepare(cfg, _dims(world_size=4))
-
-
 def test_fake_backend_turns_off_checkpoint_and_validation():
     cfg = JobConfig()
     cfg.checkpoint.enable = cfg.validation.enable = cfg.metrics.enable_tensorboard = True

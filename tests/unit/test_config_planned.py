@@ -116,17 +116,15 @@ def test_2024_era_tomls_pass_the_trainer_entry(path):
     assert cfg.model.converters == []
 
 
-def test_config_tool_prints_a_config_with_planned_settings_and_warns(capsys):
+def test_config_tool_refuses_a_config_with_planned_settings(capsys):
+    """The tool checks like the trainer: a config the trainer refuses is not printed."""
     code = main(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
     out = capsys.readouterr()
-    assert code == 0
-    assert "\n[float8]\nenable_fsdp_float8_all_gather = true\n" in out.out
-    warnings = out.err.splitlines()
-    assert warnings == [
-        "warning: float8.enable_fsdp_float8_all_gather=True is planned but not implemented yet "
-        "(float8 training); the trainer refuses it",
-        "warning: float8.precompute_float8_dynamic_scale_for_fsdp=True is planned but not "
-        "implemented yet (float8 training); the trainer refuses it",
+    assert code == 2 and out.out == ""
+    assert out.err.splitlines() == [
+        "error: float8.enable_fsdp_float8_all_gather=True is planned but not implemented yet "
+        "(float8 training); remove it or leave the default (also planned: "
+        "float8.precompute_float8_dynamic_scale_for_fsdp=True)"
     ]
 
 

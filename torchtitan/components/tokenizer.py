@@ -366,10 +366,29 @@ def _tokenizer_file(model_cfg: Model) -> Path:
     folder = _resolve(model_cfg.hf_assets_path)
     if not folder.exists():
         raise FileNotFoundError(
-            f"Tokenizer folder {model_cfg.hf_assets_path} does not exist: set "
-            "model.hf_assets_path to a folder holding tokenizer.model or tokenizer.json."
+            f"Tokenizer folder {model_cfg.hf_assets_path} does not exist: "
+            f"{download_hint(model_cfg.hf_assets_path)}, or set model.hf_assets_path to a "
+            "folder holding tokenizer.model or tokenizer.json"
         )
     return _find_in_folder(folder, "model.hf_assets_path") if folder.is_dir() else folder
+
+
+def download_hint(hf_assets_path: str) -> str:
+    """How to fetch the tokenizer into ``hf_assets_path`` (the HF repo is the folder's name
+    under ``meta-llama`` for the bundled configs' ``./assets/hf/Llama-*`` folders)."""
+    name = Path(hf_assets_path).name
+    repo = f"meta-llama/{name}" if name.startswith("Llama-") else "<org>/<model>"
+    return (
+        f"download it with `hf download {repo} --include '*tokenizer*' --local-dir "
+        f"{hf_assets_path}` (gated: accept the license on huggingface.co and run "
+        "`hf auth login` first)"
+    )
+
+
+def tokenizer_file(model_cfg: Model) -> Path:
+    """The tokenizer file ``build_tokenizer`` would read; FileNotFoundError (one line naming
+    the key to fix and how to get the file) when there is none."""
+    return _tokenizer_file(model_cfg)
 
 
 def build_tokenizer(model_cfg: Model) -> BaseTokenizer:

@@ -349,8 +349,8 @@ class ActivationCheckpoint:
     preserve_rng_state: bool = False
     """Stash and restore RNG state around recomputation (bitwise-identical dropout etc.)."""
 
-    determinism_check: str = "default"
-    """Determinism check torch.utils.checkpoint runs on recomputation ('default' or 'none')."""
+    determinism_check: Literal["default", "none"] = "default"
+    """Determinism check torch.utils.checkpoint runs on recomputation (the only two it has)."""
 
     debug: bool = False
     """Capture AC debug information (slow)."""

@@ -4,7 +4,9 @@
 entry point for programs that run a job (one ``error: ...`` line and exit code 2 on a bad
 config, including settings whose feature is planned but not built yet);
 ``python -m torchtitan.config_manager`` (= ``python -m torchtitan.config.manager``)
-prints the resolved config. See docs/config.md for the flag syntax.
+checks the config as the trainer would before building the model
+(:mod:`torchtitan.preflight`) and prints it, or ``--check`` also checks this machine's files
+and devices, as ``./run_train.sh`` does. See docs/config.md for the flag syntax.
 
 The work is split by job: :mod:`~torchtitan.config.cli` (flags),
 :mod:`~torchtitan.config.toml_io` (TOML in and out), :mod:`~torchtitan.config.custom`
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import torchtitan.config.legacy as legacy
@@ -27,7 +30,7 @@ from torchtitan.config.errors import ConfigError, print_error
 from torchtitan.config.fields import leaf_fields
 from torchtitan.config.help import print_help
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.planned import planned_message, planned_settings, reject_planned_settings
+from torchtitan.config.planned import reject_planned_settings
 from torchtitan.config.toml_io import (
     build,
     config_save_path,
@@ -141,28 +144,66 @@ def parse_args_or_exit(argv: list[str] | None = None, reject_planned: bool = Tru
         raise SystemExit(2) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m torchtitan.config_manager [--json] [flags]``: print the resolved config.
+def _take_tool_flags(args: list[str]) -> tuple[list[str], dict]:
+    """Pull the tool-only flags (--json, --check, --world_size N) out of ``args``."""
+    flags: dict = {"json": False, "check": False, "world_size": None}
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--json", "--check"):
+            flags[a[2:]] = True
+        elif a.split("=", 1)[0] in ("--world_size", "--world-size"):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            i += 0 if "=" in a else 1
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--world_size expects a positive integer, got {value!r}")
+            flags["world_size"] = int(value)
+        else:
+            rest.append(a)
+        i += 1
+    return rest, flags
 
-    Planned-feature settings are printed with one ``warning:`` line each on stderr (the
-    trainer refuses them).
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchtitan.config_manager [--json] [--check] [--world_size N] [flags]``.
+
+    Resolves the config and checks it as the trainer would before building the model
+    (:func:`torchtitan.preflight.check_run`: planned features, the layout at ``--world_size``
+    ranks -- default ``$NGPU``, else the product of the degrees -- batch arithmetic, the model
+    shape against the layout, the pipeline plan). A config that would fail prints one
+    ``error:`` line and exits 2 (so does a planned-but-unbuilt setting: the trainer refuses
+    it). Otherwise it prints the config (TOML, or JSON with ``--json``). ``--check`` also checks what
+    depends on this machine (the tokenizer and dataset files, device-only features; not under
+    ``COMM_MODE``), exactly as ``./run_train.sh`` does before torchrun starts, and prints one
+    ``ok:`` line instead of the config.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
     try:
+        args, tool = _take_tool_flags(args)
         cfg = ConfigManager(prog=PROG).parse_args(args)
     except ConfigError as exc:
         print_error(exc)
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-    if as_json:
+    from torchtitan.preflight import USER_ERRORS, check_run, default_world_size, summary
+
+    ngpu = os.environ.get("NGPU", "")
+    world_size = tool["world_size"] or (int(ngpu) if ngpu.isdigit() else default_world_size(cfg))
+    on_this_machine = tool["check"] and not os.environ.get("COMM_MODE", "").strip()
+    try:
+        parallel_dims = check_run(cfg, world_size, on_this_machine=on_this_machine)
+    except USER_ERRORS as exc:
+        print_error(exc)
+        return 2
+    if tool["check"]:
+        print(summary(cfg, parallel_dims))
+        return 0
+    if tool["json"]:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
     else:
         print(config_to_toml(cfg), end="")
-    for setting in planned_settings(cfg):
-        print(f"warning: {planned_message(*setting)}; the trainer refuses it", file=sys.stderr)
     return 0
 
 

@@ -100,6 +100,26 @@ def _is_tied(model: nn.Module) -> bool:
     return emb is not None and out is not None and emb.weight is out.weight
 
 
+def check_async_tp(compile_model: bool, device_type: str) -> None:
+    """Refuse async TP where it cannot run: it needs CUDA symmetric memory and compiled blocks.
+
+    A real run refuses rather than silently training without it (compile itself runs on CPU,
+    so only async TP is device-bound); the COMM_MODE dry runs switch both off instead, since
+    they check layouts and shapes, not kernels (``CommMode.prepare``).
+    """
+    if device_type != "cuda":
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
+            f"this run is on {device_type}: turn it off (--parallelism.no_enable_async_tensor_"
+            "parallel), or dry-run the config with COMM_MODE=fake_backend"
+        )
+    if not compile_model:
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel needs torch.compile: set compile.enable "
+            "and include 'model' in compile.components"
+        )
+
+
 def maybe_enable_async_tp(
     enabled: bool, compile_model: bool, tp_mesh: DeviceMesh | None, device_type: str
 ) -> bool:
@@ -110,16 +130,7 @@ def maybe_enable_async_tp(
     """
     if not enabled:
         return False
-    if device_type != "cuda":
-        raise ValueError(
-            "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); "
-            f"this run is on {device_type}: turn it off"
-        )
-    if not compile_model:
-        raise ValueError(
-            "parallelism.enable_async_tensor_parallel needs torch.compile: set compile.enable "
-            "and include 'model' in compile.components"
-        )
+    check_async_tp(compile_model, device_type)
     if tp_mesh is None or tp_mesh.size() < 2:
         logger.warning(
             "parallelism.enable_async_tensor_parallel has no effect without tensor parallelism "

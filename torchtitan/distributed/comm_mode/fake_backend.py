@@ -112,12 +112,16 @@ class FakeBackend(CommMode):
             ("metrics", "enable_tensorboard"),
             ("metrics", "enable_wandb"),
             ("compile", "enable"),
+            ("parallelism", "enable_async_tensor_parallel"),
         ):
             if getattr(getattr(job_config, section), key):
                 setattr(getattr(job_config, section), key, False)
                 off.append(f"{section}.{key}")
         if off:
-            logger.warning(f"{self.label}: turned off {', '.join(off)}")
+            logger.warning(
+                f"{self.label}: turned off {', '.join(off)} (a dry run checks the layout, shapes "
+                "and memory, not outputs or kernels)"
+            )
 
     def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
         init_fake_process_group(self.world_size, self.rank)

@@ -4,7 +4,8 @@
 numerics match a real run of that layout. Each data-parallel rank reads its own batches.
 Tensor parallel runs as is; data parallel (FSDP/HSDP/DDP) runs as DTensor-sharded parameters
 gathered on use (SimpleFSDP style), because ``fully_shard`` cannot run under
-LocalTensorMode. Pipeline parallel, context parallel, expert parallel and compile are refused.
+LocalTensorMode. Pipeline parallel, context parallel and expert parallel are refused; compile (and async TP)
+are switched off with a warning, as in ``fake_backend``.
 Memory and time grow with the number of simulated ranks.
 """
 
@@ -175,20 +176,26 @@ class LocalTensorSim(CommMode):
             refused.append("context parallel (parallelism.context_parallel_degree > 1)")
         if parallel_dims.ep_enabled:
             refused.append("expert parallel (parallelism.expert_parallel_degree > 1)")
-        if job_config.compile.enable:
-            refused.append("torch.compile (compile.enable)")
         if refused:
             raise ParallelismError(
                 f"COMM_MODE={self.name} cannot run " + "; ".join(refused)
                 + ": turn that off, or run it for real with torchrun"
             )
         off = []
-        for section in ("checkpoint", "validation"):
-            if getattr(job_config, section).enable:
-                getattr(job_config, section).enable = False
-                off.append(f"{section}.enable")
+        for section, key in (
+            ("checkpoint", "enable"),
+            ("validation", "enable"),
+            ("compile", "enable"),
+            ("parallelism", "enable_async_tensor_parallel"),
+        ):
+            if getattr(getattr(job_config, section), key):
+                setattr(getattr(job_config, section), key, False)
+                off.append(f"{section}.{key}")
         if off:
-            logger.warning(f"COMM_MODE={self.name}: turned off {', '.join(off)}")
+            logger.warning(
+                f"COMM_MODE={self.name}: turned off {', '.join(off)} (the simulation runs eager "
+                "kernels and writes nothing)"
+            )
 
     def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
         init_fake_process_group(self.world_size, self.rank)

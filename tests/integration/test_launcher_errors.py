@@ -1,0 +1,132 @@
+"""Every failure through ./run_train.sh is one ``error:`` line on the console and exit code 2.
+
+Two ranks (NGPU=2), console showing rank 0 only (LOG_RANK=0). Mistakes the config reveals are
+caught by the pre-flight check before torchrun starts (no rank output at all); the others stop
+inside the ranks, and the launcher names the root cause even when only rank 1 saw it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # ./run_train.sh and torchrun in subprocesses
+
+FAIL_ON_RANK_1 = "tests.integration.assets.fail_on_rank1"
+
+
+def run_train(args: list[str], env: dict, timeout: float = 240) -> tuple[int, str]:
+    proc = subprocess.Popen(
+        ["./run_train.sh", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"./run_train.sh {args} timed out:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+@pytest.fixture
+def launch_env(cpu_env, dump_folder) -> dict:
+    return dict(cpu_env, NGPU="2", LOG_RANK="0")
+
+
+def assert_one_error_line(code: int, out: str, message: str) -> str:
+    lines = [line for line in out.splitlines() if "error:" in line]
+    assert len(lines) == 1, out[-4000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
+    assert message in lines[0], lines[0]
+    assert code == 2, out[-4000:]
+    return lines[0]
+
+
+@pytest.fixture
+def bad_toml(tmp_path) -> str:
+    path = tmp_path / "bad.toml"
+    path.write_text("[training]\nsteps = 10\nseq_len = \n")
+    return str(path)
+
+
+PREFLIGHT_CASES = {
+    "typo-flag": (["--training.stesp", "3"], "did you mean --training.steps?"),
+    "bad-int": (["--training.steps", "ten"], "--training.steps: invalid value 'ten'"),
+    "out-of-range": (["--optimizer.lr", "-1"], "optimizer.lr must be >= 0"),
+    "bool-with-value": (
+        ["--profiling.enable_memory_snapshot=False"], "--profiling.no_enable_memory_snapshot"
+    ),
+    "bad-choice": (
+        ["--activation_checkpoint.determinism_check", "strict"], "expected one of 'default'"
+    ),
+    "degrees-vs-ngpu": (["--parallelism.tensor_parallel_degree", "3"], "world size 2"),
+    "explicit-degrees": (
+        ["--parallelism.data_parallel_shard_degree", "4"], "but the world size is 2"
+    ),
+    "pipeline-microbatches": (
+        ["--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_microbatch_size", "3"],
+        "pipeline_parallel_microbatch_size=3 must be >= 1 and divide",
+    ),
+    "global-batch": (["--training.global_batch_size", "24"], "global_batch_size=24"),
+    "unknown-flavor": (["--model.flavor", "9B"], "model.flavor '9B' is not a flavor"),
+    "moe-degree": (["--parallelism.expert_parallel_degree", "2"], "need an MoE model"),
+    "missing-tokenizer": (
+        ["--model.hf_assets_path", "./assets/hf/Llama-3.1-8B"],
+        "hf download meta-llama/Llama-3.1-8B",
+    ),
+    "missing-dataset": (
+        ["--training.dataset_path", "./nowhere.jsonl"], "training.dataset_path='./nowhere.jsonl'"
+    ),
+    "async-tp-on-cpu": (
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
+         "--compile.enable"],
+        "enable_async_tensor_parallel needs CUDA GPUs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
+def test_bad_config_is_one_line_before_torchrun(launch_env, dump_folder, case):
+    args, message = PREFLIGHT_CASES[case]
+    code, out = run_train([*args, "--job.dump_folder", str(dump_folder)], launch_env)
+    line = assert_one_error_line(code, out, message)
+    assert line.startswith("error: "), line  # the launcher's own line, not a rank's
+    assert "[rank" not in out, out[-3000:]  # torchrun never started
+    assert not dump_folder.exists()
+
+
+def test_bad_toml_is_one_line_before_torchrun(launch_env, bad_toml):
+    code, out = run_train([], dict(launch_env, CONFIG_FILE=bad_toml))
+    assert_one_error_line(code, out, "bad.toml")
+    assert "[rank" not in out
+
+
+def test_failure_on_rank_1_only_reaches_the_rank_0_console(launch_env, dump_folder):
+    code, out = run_train(
+        ["--experimental.custom_import", FAIL_ON_RANK_1, "--job.dump_folder", str(dump_folder)],
+        launch_env,
+    )
+    line = assert_one_error_line(code, out, "rank 1 cannot read /data/shard-1")
+    assert re.search(r"\(rank 1; every rank's output: \S+\)$", line), line
+    log_dir = line.rsplit(" ", 1)[-1].rstrip(")")
+    errors = list(os.popen(f"find {log_dir} -name error.json").read().split())
+    assert errors, f"no per-rank error file under {log_dir}"
+
+
+def test_error_inside_every_rank_is_shown_once(launch_env, dump_folder, tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_text("not a tokenizer\n")
+    code, out = run_train(
+        ["--model.hf_assets_path", str(tmp_path), "--job.dump_folder", str(dump_folder)],
+        launch_env,
+    )
+    line = assert_one_error_line(code, out, "is neither a tiktoken ranks file")
+    assert line.startswith("[rank0]:")  # rank 0 said it; the launcher does not repeat it

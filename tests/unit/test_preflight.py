@@ -1,0 +1,170 @@
+"""The pre-flight check (torchtitan/preflight.py), the config tool that runs it, and the
+launcher's failure summary (torchtitan/launch.py), all in-process."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from torchtitan.config.manager import ConfigManager, main
+from torchtitan.launch import (
+    TRAINER_MARK,
+    _trainer_args,
+    _world_size,
+    record_error,
+    summarize_failure,
+)
+from torchtitan.preflight import check_run, default_world_size
+
+DEBUG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
+
+
+def cfg_of(*flags: str):
+    return ConfigManager().parse_args(["--job.config_file", DEBUG, *flags])
+
+
+def tool(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["--job.config_file", DEBUG, *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- the config tool validates fully ----------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--activation_checkpoint.determinism_check", "strict"], "expected one of 'default'"),
+        (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"], "need an MoE model"),
+        (["--parallelism.tensor_parallel_degree", "3", "--world_size", "8"], "world size 8"),
+        (["--parallelism.tensor_parallel_degree", "32"], "must divide the model's n_heads=16"),
+        (["--training.global_batch_size", "12"], "global_batch_size=12 must be a multiple"),
+        (["--model.flavor", "8b"], "Did you mean '8B'"),
+    ],
+)
+def test_tool_refuses_a_config_the_trainer_would_refuse(capsys, flags, needle):
+    code, out, err = tool(capsys, *flags)
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and needle in err, err
+
+
+def test_tool_world_size_defaults_to_ngpu(capsys, monkeypatch):
+    monkeypatch.setenv("NGPU", "3")
+    code, _, err = tool(capsys, "--check")
+    assert code == 0 and err == ""
+    assert capsys.readouterr().out == ""  # (already read by tool)
+    monkeypatch.setenv("NGPU", "2")
+    code, out, _ = tool(capsys, "--check", "--parallelism.tensor_parallel_degree", "4")
+    assert code == 2 and out == ""
+
+
+def test_check_prints_one_ok_line(capsys, monkeypatch):
+    monkeypatch.delenv("COMM_MODE", raising=False)
+    code, out, err = tool(capsys, "--check", "--world_size", "4",
+                          "--parallelism.tensor_parallel_degree", "2")
+    assert (code, err) == (0, "")
+    assert out == "ok: llama3 debugmodel on 4 rank(s) (dp_shard 2, tp 2), 30 steps\n"
+
+
+def test_check_needs_the_tokenizer_printing_does_not(capsys, monkeypatch):
+    monkeypatch.delenv("COMM_MODE", raising=False)
+    missing = ("--model.hf_assets_path", "./assets/hf/Llama-3.1-8B")
+    code, out, _ = tool(capsys, *missing)
+    assert code == 0 and "hf_assets_path = \"./assets/hf/Llama-3.1-8B\"" in out
+    code, out, err = tool(capsys, "--check", *missing)
+    assert (code, out) == (2, "")
+    assert "hf download meta-llama/Llama-3.1-8B --include '*tokenizer*' --local-dir " in err
+    monkeypatch.setenv("COMM_MODE", "fake_backend")  # a dry run needs no tokenizer
+    assert tool(capsys, "--check", *missing)[0] == 0
+
+
+def test_bad_world_size_flag(capsys):
+    code, _, err = tool(capsys, "--world_size", "zero")
+    assert code == 2 and "--world_size expects a positive integer, got 'zero'" in err
+
+
+# --- check_run ----------------------------------------------------------------------------------
+def test_pipeline_plan_is_checked_without_building_the_model():
+    cfg = cfg_of("--parallelism.pipeline_parallel_degree", "2",
+                 "--parallelism.pipeline_parallel_schedule", "1F1B",
+                 "--parallelism.pipeline_parallel_microbatch_size", "8")
+    with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages"):
+        check_run(cfg, 2, on_this_machine=False)
+
+
+def test_async_tp_policy_refused_on_cpu_only():
+    cfg = cfg_of("--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                 "--parallelism.enable_async_tensor_parallel")
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        check_run(cfg, 2, device_type="cpu")
+    check_run(cfg, 2, device_type="cuda")
+    check_run(cfg, 2, on_this_machine=False)  # dry runs switch it off instead
+
+
+def test_default_world_size_is_the_product_of_the_degrees():
+    assert default_world_size(cfg_of()) == 1
+    cfg = cfg_of("--parallelism.data_parallel_shard_degree", "2",
+                 "--parallelism.tensor_parallel_degree", "4")
+    assert default_world_size(cfg) == 8
+    assert check_run(cfg, None, on_this_machine=False).world_size == 8
+
+
+# --- the launcher -----------------------------------------------------------------------------
+def test_launcher_finds_the_trainer_and_the_world_size():
+    assert _trainer_args(["-m", "torchtitan.train", "--x.y", "1"]) == ["--x.y", "1"]
+    assert _trainer_args([str(REPO_ROOT / "train.py"), "--a"]) == ["--a"]
+    assert _trainer_args(["-m", "tests.integration.assets.dist_probe"]) is None
+    assert _world_size(["--nproc_per_node=4", "--nnodes", "2"]) == 8
+    assert _world_size(["--nproc-per-node", "gpu"]) is None
+    assert _world_size(["--nnodes=1:4"]) is None
+
+
+def _failure(local_rank, message, *, mark=None, exitcode=2, timestamp=0):
+    data = {} if mark is None else {TRAINER_MARK: {"exitcode": exitcode, "time": mark}}
+    return SimpleNamespace(local_rank=local_rank, message=message, error_file_data=data,
+                           exitcode=exitcode, timestamp=timestamp,
+                           signal_name=lambda: "SIGTERM")
+
+
+def test_summary_names_the_first_reported_error_once(capsys):
+    failures = {
+        0: _failure(0, "Signal 15 (SIGTERM) received by PID 1", exitcode=-15, timestamp=5),
+        1: _failure(1, "rank 1 cannot read its shard", mark=10.0),
+    }
+    assert summarize_failure(failures, {0}, "/logs") == 2
+    assert capsys.readouterr().err == (
+        "error: rank 1 cannot read its shard (rank 1; every rank's output: /logs)\n"
+    )
+    failures[0] = _failure(0, "rank 1 cannot read its shard", mark=10.5)  # rank 0 said it too
+    assert summarize_failure(failures, {0}, "/logs") == 2
+    assert capsys.readouterr().err == ""  # the console showed rank 0's line already
+
+
+def test_summary_of_a_crash_without_a_report(capsys):
+    failures = {1: _failure(1, "", exitcode=-9, timestamp=3)}
+    assert summarize_failure(failures, {0}, "/logs") == 137
+    assert capsys.readouterr().err == "error: rank 1 failed (killed by signal SIGTERM); its output: /logs\n"
+
+
+def test_record_error_writes_torchruns_error_file(tmp_path, monkeypatch):
+    path = tmp_path / "attempt_0" / "1" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    record_error("bad thing", 2)
+    data = json.loads(path.read_text())
+    assert data["message"] == "bad thing" and data[TRAINER_MARK]["exitcode"] == 2
+
+
+@pytest.mark.parametrize("mode", ["fake_backend", "local_tensor"])
+def test_dry_runs_switch_compile_and_async_tp_off(mode, caplog):
+    """One policy: a dry run checks layouts, not kernels, so both dry runs switch compile and
+    async TP off with one warning (a real run refuses async TP without CUDA: check_async_tp)."""
+    from torchtitan.distributed.comm_mode import COMM_MODES
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    cfg = cfg_of("--compile.enable", "--parallelism.enable_async_tensor_parallel")
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=4)
+    COMM_MODES[mode](4).prepare(cfg, dims)
+    assert not cfg.compile.enable and not cfg.parallelism.enable_async_tensor_parallel
+    assert "turned off compile.enable, parallelism.enable_async_tensor_parallel" in caplog.text

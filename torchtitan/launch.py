@@ -1,0 +1,197 @@
+"""``python -m torchtitan.launch [torchrun options] -- ENTRY [args]``: torchrun, with a
+pre-flight check before it and one line after a failure. ``./run_train.sh`` runs this.
+
+1. **Pre-flight** (when ENTRY is the trainer: ``-m torchtitan.train`` or ``train.py``): the
+   config is parsed and checked for the world size (``--nproc_per_node`` x ``--nnodes``) in
+   this one process, with the trainer's own checks (:func:`torchtitan.preflight.check_run`).
+   A bad config prints one ``error:`` line and exits 2 before torchrun starts. Flag, value and
+   TOML mistakes are found before torch is even imported.
+2. **torchrun** runs in this process (``torch.distributed.run.run``), so there is no second
+   Python start-up.
+3. **After a failure**, torchrun's ``ChildFailedError`` traceback is replaced by one
+   ``error:`` line naming the root cause: the first rank that stopped on an error the trainer
+   reported (it writes its one line to torchrun's per-rank error file, see
+   :func:`record_error`), else the first rank that failed. The line is printed only when the
+   console has not shown it already (``--local-ranks-filter``, i.e. ``LOG_RANK``). The exit code
+   is that rank's: 2 for a bad config or a missing file, 1 for a training error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["TRAINER_MARK", "main", "record_error"]
+
+TRAINER_MARK = "torchtitan"
+"""Key of the trainer's own entry in a rank's error file (see :func:`record_error`)."""
+
+
+def record_error(message: str, exit_code: int) -> None:
+    """Write ``message`` (one line) to torchrun's error file for this rank, if there is one.
+
+    torchrun passes each rank ``TORCHELASTIC_ERROR_FILE``; its failure summary reads the file,
+    and :func:`main` prints the first such message when the console did not show it.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": message,
+        "timestamp": int(time.time()),
+        TRAINER_MARK: {"exitcode": exit_code, "time": time.time()},
+    }
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the rank's own log still has the line
+
+
+# --- the command line ---------------------------------------------------------------------------
+_TRAINER_MODULES = ("torchtitan.train",)
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise SystemExit("usage: python -m torchtitan.launch [torchrun options] -- ENTRY [args]")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def _option(opts: list[str], *names: str) -> str | None:
+    """The last value of torchrun option ``names`` (``--x=v`` or ``--x v``; - and _ alike)."""
+    wanted = {n.replace("-", "_") for n in names}
+    value = None
+    for i, token in enumerate(opts):
+        name, eq, inline = token.partition("=")
+        if name.lstrip("-").replace("-", "_") in wanted and token.startswith("--"):
+            value = inline if eq else (opts[i + 1] if i + 1 < len(opts) else None)
+    return value
+
+
+def _trainer_args(entry: list[str]) -> list[str] | None:
+    """The trainer's flags when ``entry`` runs the trainer, else None (unknown program)."""
+    if len(entry) >= 2 and entry[0] in ("-m", "--module") and entry[1] in _TRAINER_MODULES:
+        return entry[2:]
+    if entry and entry[0].endswith(".py"):
+        script = os.path.realpath(entry[0])
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if script in (os.path.join(root, "train.py"), os.path.join(root, "torchtitan", "train.py")):
+            return entry[1:]
+    return None
+
+
+def _world_size(opts: list[str]) -> int | None:
+    nproc = _option(opts, "nproc_per_node", "nproc-per-node") or "1"
+    nnodes = _option(opts, "nnodes") or "1"
+    if not (nproc.isdigit() and nnodes.isdigit()):
+        return None  # "gpu", "auto", an elastic range: known only at run time
+    return int(nproc) * int(nnodes)
+
+
+def preflight(trainer_args: list[str], world_size: int | None) -> int:
+    """Check the trainer's config; 0 when it may start, else 2 (one ``error:`` line printed)."""
+    from torchtitan.config.errors import ConfigError, print_error
+    from torchtitan.config.manager import ConfigManager
+
+    # Deprecation and other notes come from the ranks' own logs; here only the verdict counts.
+    logging.getLogger("torchtitan").setLevel(logging.ERROR)
+    try:
+        cfg = ConfigManager().parse_args(trainer_args)
+    except ConfigError as exc:
+        print_error(exc)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    from torchtitan.preflight import USER_ERRORS, check_run
+
+    try:
+        check_run(cfg, world_size, on_this_machine=True)
+    except USER_ERRORS as exc:
+        print_error(exc)
+        return 2
+    return 0
+
+
+# --- after a failure ----------------------------------------------------------------------------
+class _DropAgentNoise(logging.Filter):
+    """torchrun's per-failure log lines, which the one-line summary replaces."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("failed (exitcode") or msg.startswith("Sending process"))
+
+
+def _shown_local_ranks(opts: list[str]) -> set[int] | None:
+    """Local ranks whose output reaches the console (None: all of them)."""
+    value = _option(opts, "local_ranks_filter", "local-ranks-filter")
+    if not value:
+        return None
+    return {int(r) for r in value.split(",") if r.strip().isdigit()}
+
+
+def _one_line(text: Any) -> str:
+    text = " ".join(str(text).split())
+    return text[len("error: ") :] if text.startswith("error: ") else text
+
+
+def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir: str) -> int:
+    """Print the root cause of ``failures`` (rank -> ProcessFailure) once; its exit code."""
+    ours = {r: f for r, f in failures.items() if TRAINER_MARK in (f.error_file_data or {})}
+    if ours:
+        rank, root = min(ours.items(), key=lambda kv: kv[1].error_file_data[TRAINER_MARK]["time"])
+        message = _one_line(root.message)
+        on_console = [
+            f for f in ours.values()
+            if (shown is None or f.local_rank in shown) and _one_line(f.message) == message
+        ]
+        if not on_console:
+            print(f"error: {message} (rank {rank}; every rank's output: {log_dir})",
+                  file=sys.stderr)
+        return int(root.error_file_data[TRAINER_MARK]["exitcode"])
+    rank, root = min(failures.items(), key=lambda kv: kv[1].timestamp)
+    code = root.exitcode
+    if isinstance(root.message, dict):  # a traceback recorded by torch's @record
+        what = _one_line(root.message.get("message", ""))
+    elif code < 0:
+        what = f"killed by signal {root.signal_name()}"
+    else:
+        what = f"exit code {code}"
+    print(f"error: rank {rank} failed ({what}); its output: {log_dir}", file=sys.stderr)
+    return 128 - code if code < 0 else (code or 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, entry = _split(list(sys.argv[1:] if argv is None else argv))
+    trainer_args = _trainer_args(entry)
+    if trainer_args is not None:
+        code = preflight(trainer_args, _world_size(opts))
+        if code:
+            return code
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if _option(opts, "log_dir", "log-dir") is None:
+        log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+        opts = [*opts, "--log-dir", log_dir]
+    else:
+        log_dir = _option(opts, "log_dir", "log-dir") or ""
+    args = get_args_parser().parse_args([*opts, *entry])
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
+    try:
+        run(args)
+    except ChildFailedError as err:
+        return summarize_failure(err.failures, _shown_local_ranks(opts), log_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

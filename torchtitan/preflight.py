@@ -1,0 +1,185 @@
+"""Pre-flight: everything a run's config can be checked for before any rank starts.
+
+``check_run(cfg, world_size)`` runs the checks the ranks would run first, with the same
+functions, in one process and without building the model: planned-but-unbuilt settings, the
+parallel layout against the world size (:class:`ParallelDims`), batch arithmetic, the model
+flavor and its shape against the layout (``validate_for_model``), the pipeline plan, compile
+and device-only features (async TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
+one-line errors (``ConfigError``, ``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
+
+``run_train.sh`` runs it through :mod:`torchtitan.launch` before torchrun starts, and
+``python -m torchtitan.config_manager`` (``--check``) runs it before printing a config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.planned import reject_planned_settings
+from torchtitan.tools.logging import logger
+
+if TYPE_CHECKING:
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+__all__ = ["USER_ERRORS", "check_run", "default_world_size", "summary"]
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,  # ConfigError, ParallelismError and CheckpointError are ValueErrors
+    FileNotFoundError,
+    ImportError,
+)
+"""What a bad config or a missing file raises: one line for people, exit code 2."""
+
+
+def default_world_size(cfg: JobConfig) -> int:
+    """The world size the degrees ask for (``data_parallel_shard_degree=-1`` counts as 1)."""
+    p = cfg.parallelism
+    shard = max(p.data_parallel_shard_degree, 1)
+    return (
+        p.data_parallel_replicate_degree
+        * shard
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep the trainer's info/warning lines (the ranks print them) out of the check."""
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
+def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
+    from torchtitan.models import get_model_spec
+
+    spec = get_model_spec(cfg.model.name)
+    model_args = spec.get_model_args(cfg.model.flavor)
+    model_args.update_from_config(cfg, tokenizer=None)
+    if hasattr(model_args, "validate"):
+        model_args.validate()
+    parallel_dims.validate_for_model(
+        n_heads=model_args.n_heads,
+        n_kv_heads=model_args.effective_n_kv_heads,
+        n_layers=model_args.n_layers,
+        seq_len=cfg.training.seq_len,
+    )
+    if parallel_dims.pp_enabled:
+        _check_pipeline(cfg, parallel_dims, spec, model_args)
+    return model_args
+
+
+def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, model_args: Any) -> None:
+    """The pipeline plan for pp rank 0, cut from the model on ``meta`` (no memory, no data)."""
+    import torch
+
+    from torchtitan.distributed.parallel_dims import ParallelismError
+    from torchtitan.distributed.pipeline import (
+        check_microbatches,
+        check_pipeline_composition,
+        n_microbatches_for,
+        resolve_pipeline_layout,
+    )
+
+    if spec.pipelining_fn is None:
+        raise ParallelismError(
+            f"model {cfg.model.name} has no pipeline support; set "
+            "parallelism.pipeline_parallel_degree=1"
+        )
+    check_pipeline_composition(parallel_dims)
+    if getattr(model_args, "tie_word_embeddings", False):
+        raise ValueError(
+            "pipeline parallelism cannot split a model with tied input/output embeddings "
+            "(tie_word_embeddings=True puts one weight on the first and the last stage); "
+            "use a flavor without tied embeddings or parallelism.pipeline_parallel_degree=1"
+        )
+    p = cfg.parallelism
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
+    n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)
+    check_microbatches(layout, n_microbatches, p.pipeline_parallel_degree)
+
+
+def _check_components(cfg: JobConfig, device_type: str) -> None:
+    from torchtitan.distributed.compile import model_compile_enabled
+    from torchtitan.distributed.tensor_parallel import check_async_tp
+
+    compiled = model_compile_enabled(cfg.compile)
+    if cfg.parallelism.enable_async_tensor_parallel:
+        check_async_tp(compiled, device_type)
+
+
+def _check_files(cfg: JobConfig) -> None:
+    """The tokenizer's file and a local dataset path exist (a dry run needs neither)."""
+    from torchtitan.components.tokenizer import tokenizer_file
+
+    tokenizer_file(cfg.model)
+    for key, path in (
+        ("training.dataset_path", cfg.training.dataset_path),
+        ("validation.dataset_path", cfg.validation.dataset_path if cfg.validation.enable else None),
+    ):
+        if path and not os.path.exists(os.path.expanduser(path)):
+            raise FileNotFoundError(f"{key}={path!r} does not exist: fix --{key}")
+
+
+def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool = True,
+              device_type: str | None = None) -> ParallelDims:
+    """Check ``cfg`` for a run on ``world_size`` ranks; returns the resolved degrees.
+
+    ``world_size`` None (an elastic job: known at run time) checks the layout at the world
+    size the degrees ask for (:func:`default_world_size`).
+
+    ``on_this_machine`` adds what depends on where the run starts: device-only features
+    (on ``device_type``, default this machine's) and the tokenizer and dataset files. Leave it
+    off for a dry run (COMM_MODE switches device features off and needs no files) or to check
+    a config for another machine. Raises one of :data:`USER_ERRORS` with one line.
+    """
+    with _quiet():
+        reject_planned_settings(cfg)
+        if on_this_machine:  # torch-free, so a missing file is reported in a blink
+            _check_files(cfg)
+        # The rest needs torch (imported here, so the checks above stay fast).
+        from torchtitan.build import gradient_accumulation_steps, reject_planned_features
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        if cfg.experimental.custom_import:  # it may register the model or dataset
+            importlib.import_module(cfg.experimental.custom_import)
+        if world_size is None:
+            world_size = default_world_size(cfg)
+        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        reject_planned_features(cfg, parallel_dims)
+        gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+        _check_model(cfg, parallel_dims)
+        if on_this_machine:
+            if device_type is None:
+                from torchtitan.tools.device import device_type as detected
+
+                device_type = detected
+            _check_components(cfg, device_type)
+    return parallel_dims
+
+
+def summary(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
+    """One line naming what was checked, e.g. for ``config_manager --check``."""
+    d = parallel_dims
+    dims = ", ".join(
+        f"{name} {getattr(d, name)}"
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        if getattr(d, name) > 1
+    ) or "one rank"
+    return (
+        f"ok: {cfg.model.name} {cfg.model.flavor} on {d.world_size} rank(s) ({dims}), "
+        f"{cfg.training.steps} steps"
+    )
