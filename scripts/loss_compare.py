@@ -1,18 +1,30 @@
 #!/usr/bin/env python3
 """Run two training configurations (or two git revisions) and compare their per-step losses.
 
-Examples:
-  # FSDP on 2 ranks vs a single device, same seed checkpoint, 10 steps
-  python scripts/loss_compare.py --steps 10 \
-      --a "NGPU=1 --checkpoint.initial_load_path outputs/seed/checkpoint/step-0" \
-      --b "NGPU=2 --checkpoint.initial_load_path outputs/seed/checkpoint/step-0" --assert-equal
-  # this checkout vs the main branch, same flags
-  python scripts/loss_compare.py --steps 10 --b-rev main --assert-equal
+Examples (run from the repository root; each finishes in a few minutes on a 2-core CPU):
+  # FSDP vs DDP on 2 ranks (the same dp degree, so the same data), both from one seed checkpoint
+  python scripts/loss_compare.py --steps 5 --seed-checkpoint --assert-equal \\
+      --flags "--model.flavor debugmodel_tiny --training.seq_len 64" \\
+      --a "NGPU=2 --parallelism.data_parallel_shard_degree 2" \\
+      --b "NGPU=2 --parallelism.data_parallel_shard_degree 1 --parallelism.data_parallel_replicate_degree 2"
+  # FSDP 2 x TP 2 (4 ranks) vs FSDP 2, each simulated in one process (COMM_MODE=local_tensor)
+  python scripts/loss_compare.py --steps 3 --seed-checkpoint --assert-equal \\
+      --flags "--model.flavor debugmodel_tiny --training.seq_len 64" \\
+      --a "COMM_MODE=local_tensor NGPU=4 --parallelism.data_parallel_shard_degree 2 --parallelism.tensor_parallel_degree 2" \\
+      --b "COMM_MODE=local_tensor NGPU=2 --parallelism.data_parallel_shard_degree 2"
+  # this checkout (uncommitted changes included) vs its last commit, same flags
+  python scripts/loss_compare.py --steps 5 --b-rev HEAD --assert-equal \\
+      --flags "--model.flavor debugmodel_tiny --training.seq_len 64"
 
-Each side is a string of ``ENV=value`` words followed by trainer flags; both sides share
-``--config`` and ``--steps`` and get ``--debug.seed`` and ``--debug.deterministic`` unless
-``--no-deterministic``. Prints a table and a verdict line; ``--assert-equal`` exits 1 when any
-step differs by more than the tolerance.
+Each side is a string of ``ENV=value`` words followed by trainer flags, run with ./run_train.sh
+after the shared ``--config``, ``--steps`` and ``--flags``; both sides get ``--debug.seed`` and
+``--debug.deterministic`` unless ``--no-deterministic``. ``--seed-checkpoint`` first writes one
+seed checkpoint (one process, every parallel degree 1, ``--flags`` applied) and starts both sides
+from it (``--checkpoint.initial_load_path``), so layouts that initialise their shards
+differently start from the same weights. Losses are read at full precision from each run's
+``metrics.jsonl`` (written by rank 0 of the trainer), never from the 4-decimal console line.
+Prints a table and a verdict line; ``--assert-equal`` exits 1 when any step differs by more than
+the tolerance. Each side's dump folder (``--dump-folder``/a, /b, /seed) is re-created.
 """
 
 from __future__ import annotations
@@ -23,21 +35,39 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_LINE = re.compile(r"(?<!validate )step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
+METRICS_FILE = "metrics.jsonl"  # torchtitan.components.metrics.METRICS_JSONL
+SINGLE_PROCESS = [
+    "--parallelism.data_parallel_replicate_degree", "1",
+    "--parallelism.data_parallel_shard_degree", "1",
+    "--parallelism.tensor_parallel_degree", "1",
+    "--parallelism.pipeline_parallel_degree", "1",
+    "--parallelism.context_parallel_degree", "1",
+    "--parallelism.expert_parallel_degree", "1",
+]
 
 
-def parse_losses(log: str) -> dict[int, float]:
-    """Per-step losses from trainer console output (the ``step: N  loss: X`` lines)."""
-    losses: dict[int, float] = {}
-    for match in STEP_LINE.finditer(re.sub(r"\x1b\[[0-9;]*m", "", log)):
-        losses[int(match.group(1))] = float(match.group(2))
-    return losses
+def read_metrics(path: Path, metric: str = "loss") -> dict[int, float]:
+    """``step -> metric`` from a trainer's ``metrics.jsonl`` (the last record of a step wins,
+    e.g. after a resume); records without ``metric`` (validation lines) are skipped."""
+    values: dict[int, float] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path}:{lineno} is not a JSON object: {err}") from err
+            if metric in record:
+                values[int(record["step"])] = float(record[metric])
+    return values
 
 
 def split_side(spec: str) -> tuple[dict[str, str], list[str]]:
@@ -51,36 +81,81 @@ def split_side(spec: str) -> tuple[dict[str, str], list[str]]:
     return env, flags
 
 
-def run_side(name: str, spec: str, args: argparse.Namespace, workdir: Path) -> dict[int, float]:
-    env_over, flags = split_side(spec)
+def dump_folder_of(flags: list[str], default: Path) -> Path:
+    """The run's ``--job.dump_folder`` (the last one given wins, as in the trainer)."""
+    folder = default
+    for i, flag in enumerate(flags):
+        if flag == "--job.dump_folder" and i + 1 < len(flags):
+            folder = Path(flags[i + 1])
+        elif flag.startswith("--job.dump_folder="):
+            folder = Path(flag.split("=", 1)[1])
+    return folder
+
+
+def _run(name: str, env_over: dict[str, str], cmd: list[str], workdir: Path) -> None:
     env = {**os.environ, **env_over, "LOG_RANK": env_over.get("LOG_RANK", "0")}
-    env.setdefault("CONFIG_FILE", args.config)
-    cmd = [
-        "bash",
-        str(workdir / "run_train.sh"),
-        "--training.steps",
-        str(args.steps),
-        "--metrics.log_freq",
-        "1",
-        "--metrics.disable_color_printing",
-        "--job.dump_folder",
-        str(Path(args.dump_folder) / name),
-    ]
-    if args.deterministic:
-        cmd += ["--debug.seed", str(args.seed), "--debug.deterministic"]
-    cmd += flags
-    print(f"[{name}] {' '.join(f'{k}={v}' for k, v in env_over.items())} {shlex.join(cmd)}", file=sys.stderr)
+    print(f"[{name}] {' '.join(f'{k}={v}' for k, v in env_over.items())} {shlex.join(cmd)}",
+          file=sys.stderr)
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"error: run {name} failed with exit code {proc.returncode}")
-    losses = parse_losses(proc.stdout + proc.stderr)
-    if not losses:
-        raise SystemExit(f"error: run {name} printed no 'step: N  loss: X' lines")
-    return losses
+
+
+def _base_cmd(args: argparse.Namespace, workdir: Path, dump: Path) -> list[str]:
+    return [
+        "bash", str(workdir / "run_train.sh"),
+        "--job.dump_folder", str(dump),
+        *shlex.split(args.flags),
+    ]
+
+
+def make_seed_checkpoint(args: argparse.Namespace) -> Path:
+    """Write ``{dump_folder}/seed/checkpoint/step-0`` with one process; returns its path."""
+    dump = Path(args.dump_folder).resolve() / "seed"
+    shutil.rmtree(dump, ignore_errors=True)
+    cmd = _base_cmd(args, ROOT, dump) + [
+        "--checkpoint.create_seed_checkpoint", *SINGLE_PROCESS, "--debug.seed", str(args.seed),
+    ]
+    _run("seed", {"NGPU": "1", "CONFIG_FILE": args.config, "COMM_MODE": ""}, cmd, ROOT)
+    path = dump / "checkpoint" / "step-0"
+    if not path.is_dir():
+        raise SystemExit(f"error: the seed checkpoint run wrote no {path}")
+    return path
+
+
+def run_side(
+    name: str, spec: str, args: argparse.Namespace, workdir: Path, seed_ckpt: Path | None
+) -> dict[int, float]:
+    env_over, flags = split_side(spec)
+    env_over.setdefault("CONFIG_FILE", args.config)
+    dump = Path(args.dump_folder).resolve() / name
+    shutil.rmtree(dump, ignore_errors=True)
+    cmd = _base_cmd(args, workdir, dump) + [
+        "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing",
+    ]
+    if args.deterministic:
+        cmd += ["--debug.seed", str(args.seed), "--debug.deterministic"]
+    if seed_ckpt is not None:
+        cmd += ["--checkpoint.initial_load_path", str(seed_ckpt)]
+    cmd += flags
+    _run(name, env_over, cmd, workdir)
+    metrics = dump_folder_of(cmd, dump) / METRICS_FILE
+    if not metrics.is_file():
+        raise SystemExit(
+            f"error: run {name} wrote no {metrics} (a trainer revision without the JSONL "
+            "metrics sink?); loss_compare does not fall back to the 4-decimal console losses"
+        )
+    values = read_metrics(metrics, args.metric)
+    if not values:
+        raise SystemExit(f"error: {metrics} of run {name} has no {args.metric!r} records")
+    return values
 
 
 def compare(a: dict[int, float], b: dict[int, float], rtol: float, atol: float) -> tuple[list, bool]:
+    """Rows ``(step, a, b, |diff|, within)`` over the steps of either side; a step missing on
+    one side is NaN there and never within tolerance."""
     rows, ok = [], True
     for step in sorted(set(a) | set(b)):
         la, lb = a.get(step, math.nan), b.get(step, math.nan)
@@ -101,11 +176,15 @@ def checkout_rev(rev: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="./train_configs/debug_model.toml", help="TOML for both sides")
+    p.add_argument("--flags", default="", help="trainer flags for both sides (and the seed checkpoint)")
     p.add_argument("--a", default="", help="side A: 'ENV=v ... --flags' (default: plain run)")
     p.add_argument("--b", default="", help="side B: 'ENV=v ... --flags' (default: plain run)")
     p.add_argument("--b-rev", default=None, help="run side B from this git revision")
+    p.add_argument("--seed-checkpoint", action="store_true",
+                   help="start both sides from one seed checkpoint written first")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--metric", default="loss", help="metrics.jsonl field to compare (e.g. grad_norm)")
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-5)
@@ -114,22 +193,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = p.parse_args(argv)
 
-    losses_a = run_side("a", args.a, args, ROOT)
+    seed_ckpt = make_seed_checkpoint(args) if args.seed_checkpoint else None
+    losses_a = run_side("a", args.a, args, ROOT, seed_ckpt)
     b_dir = checkout_rev(args.b_rev) if args.b_rev else ROOT
     try:
-        losses_b = run_side("b", args.b, args, b_dir)
+        losses_b = run_side("b", args.b, args, b_dir, seed_ckpt)
     finally:
         if args.b_rev:
             subprocess.run(["git", "worktree", "remove", "--force", str(b_dir)], cwd=ROOT,
                            capture_output=True)
     rows, ok = compare(losses_a, losses_b, args.rtol, args.atol)
     if args.json:
-        print(json.dumps({"steps": [r[0] for r in rows], "a": [r[1] for r in rows],
-                          "b": [r[2] for r in rows], "equal": ok}))
+        print(json.dumps({"metric": args.metric, "steps": [r[0] for r in rows],
+                          "a": [r[1] for r in rows], "b": [r[2] for r in rows], "equal": ok}))
     else:
-        print(f"{'step':>5} {'loss A':>12} {'loss B':>12} {'|diff|':>10}")
+        print(f"{'step':>5} {args.metric + ' A':>14} {args.metric + ' B':>14} {'|diff|':>10}")
         for step, la, lb, diff, within in rows:
-            print(f"{step:5d} {la:12.6f} {lb:12.6f} {diff:10.2e}{'' if within else '  <-- differs'}")
+            print(f"{step:5d} {la:14.8f} {lb:14.8f} {diff:10.2e}{'' if within else '  <-- differs'}")
         max_diff = max(r[3] for r in rows)
         verdict = "EQUAL" if ok else "DIFFERENT"
         print(f"verdict: {verdict} (max |diff| {max_diff:.3e}, rtol {args.rtol}, atol {args.atol})")

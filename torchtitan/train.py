@@ -156,7 +156,8 @@ class Trainer(Stateful):
                 loss, grad_norm = self.train_step(data_iterator)
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
-                    self.metrics.log(self.step, loss, grad_norm, lr)
+                    tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
+                    self.metrics.log(self.step, loss, grad_norm, lr, extra={"tokens": tokens})
                 if self.validator is not None and self.validator.should_validate(self.step):
                     self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 stop = self._preemption_agreed()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -19,12 +21,19 @@ TINY = (
 )
 
 
-def test_parse_losses_reads_console_lines():
-    log = (
-        "[rank0]:[titan] ... - INFO - \x1b[31mstep:  1  \x1b[32mloss:  8.2050  grad_norm: 0.6\n"
-        "step: 12  loss:  7.8412  grad_norm:  1.2\nvalidate step:  12  loss:  6.0\n"
+def test_read_metrics_full_precision_last_record_wins(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 1, "loss": 8.205012345678, "grad_norm": 0.6}\n'
+        '{"step": 2, "loss": 7.84123456, "grad_norm": 1.2}\n'
+        '{"step": 2, "validation/loss": 6.0}\n'
+        '{"step": 2, "loss": 7.84120001, "grad_norm": 1.3}\n'  # resumed run repeats step 2
     )
-    assert loss_compare.parse_losses(log) == {1: 8.205, 12: 7.8412}
+    assert loss_compare.read_metrics(path) == {1: 8.205012345678, 2: 7.84120001}
+    assert loss_compare.read_metrics(path, "grad_norm") == {1: 0.6, 2: 1.3}
+    # two losses equal to 4 decimals (the console) are still told apart
+    rows, ok = loss_compare.compare({1: 8.20501}, {1: 8.20509}, 1e-6, 1e-6)
+    assert not ok and rows[0][3] > 5e-5
 
 
 def test_compare_verdict():
@@ -68,3 +77,43 @@ def test_fsdp2_equals_ddp2_from_seed_checkpoint(tmp_path):
     )
     assert differ.returncode == 1, differ.stdout + differ.stderr[-3000:]
     assert "verdict: DIFFERENT" in differ.stdout
+
+
+def help_examples() -> list[list[str]]:
+    """The example commands of ``loss_compare.py --help``, as argument lists."""
+    block = loss_compare.__doc__.split("Examples", 1)[1].split("\n\n", 1)[0]
+    lines = block.splitlines()[1:]  # after the "Examples (...):" line
+    commands, current = [], ""
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#") or not stripped:
+            continue
+        current += " " + stripped.rstrip("\\")
+        if not stripped.endswith("\\"):
+            commands.append(shlex.split(current))
+            current = ""
+    return commands
+
+
+def test_help_shows_the_examples():
+    examples = help_examples()
+    assert len(examples) == 3 and all(c[:2] == ["python", "scripts/loss_compare.py"] for c in examples)
+    assert "--seed-checkpoint" in examples[0] and "COMM_MODE=local_tensor" in " ".join(examples[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 1], ids=["fsdp2_vs_ddp2", "local_tensor_tp2_fsdp2_vs_fsdp2"])
+def test_help_example_works_as_written(tmp_path, cpu_env, index):
+    """The --help examples (seed checkpoint; real ranks, then simulated ones) verbatim, plus a
+    temporary --dump-folder. Without the seed checkpoint the simulated layouts start from
+    different weights (step-1 losses differ by ~8e-2), so EQUAL shows it was loaded."""
+    cmd = help_examples()[index]
+    proc = subprocess.run(
+        [sys.executable, *cmd[1:], "--dump-folder", str(tmp_path / "cmp")],
+        cwd=ROOT, env=cpu_env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "verdict: EQUAL" in proc.stdout
+    for side in ("a", "b"):
+        steps = [json.loads(line)["step"] for line in (tmp_path / "cmp" / side / "metrics.jsonl").open()]
+        assert steps == list(range(1, int(cmd[cmd.index("--steps") + 1]) + 1))

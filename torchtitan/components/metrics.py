@@ -1,7 +1,14 @@
-"""Training metrics: the console line, TensorBoard and Weights & Biases."""
+"""Training metrics: the console line, a JSONL file, TensorBoard and Weights & Biases.
+
+Rank 0 always writes ``{dump_folder}/metrics.jsonl``: one JSON object per logged step with
+``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens seen so far) and the other
+metrics, at full precision (``scripts/loss_compare.py`` reads it; the console shows 4 decimals).
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 from dataclasses import asdict
@@ -46,6 +53,41 @@ class TensorBoardLogger(BaseLogger):
         self.writer.close()
 
 
+METRICS_JSONL = "metrics.jsonl"
+"""File name of the JSONL metrics sink, in ``job.dump_folder``."""
+
+
+def _json_number(value: float) -> float | int | str:
+    """JSON has no NaN/inf: those become the strings "nan" / "inf" / "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JSONLLogger(BaseLogger):
+    """Appends one JSON object per logged step to ``path``; a run that starts at step 1
+    truncates the file first (a resumed run appends, so its earlier steps stay)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self.file = open(self.path, "w" if step <= 1 else "a", encoding="utf-8")  # noqa: SIM115
+        record = {"step": step}
+        for key, value in metrics.items():
+            record[key] = _json_number(value if isinstance(value, int) else float(value))
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class WandBLogger(BaseLogger):
     def __init__(self, log_dir: str, config: dict[str, Any]) -> None:
         import wandb
@@ -87,6 +129,8 @@ class MetricsProcessor:
         base = os.path.join(job_config.job.dump_folder, self.cfg.save_tb_folder)
         stamp = datetime.now().strftime("%Y%m%d-%H%M")
         suffix = f"rank_{rank}" if self.cfg.save_for_all_ranks else ""
+        if rank == 0:
+            self.sinks.append(JSONLLogger(os.path.join(job_config.job.dump_folder, METRICS_JSONL)))
         if write and self.cfg.enable_tensorboard:
             self.sinks.append(TensorBoardLogger(os.path.join(base, stamp, suffix)))
         if write and self.cfg.enable_wandb:

@@ -68,6 +68,11 @@ class CommMode:
         """Around each model part's ``init_weights()``."""
         return contextlib.nullcontext()
 
+    def load_initial_weights(self, model_parts: list[Any]) -> bool:
+        """Load starting weights the CheckpointManager cannot load in this mode (called after
+        it); returns True when something was loaded. A real run loads through the manager."""
+        return False
+
     def step(self) -> contextlib.AbstractContextManager:
         """Around one training step (forward, backward, clipping, optimizer)."""
         return contextlib.nullcontext()

@@ -21,6 +21,10 @@ from torch import nn
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.comm_mode.base import CommMode
 from torchtitan.distributed.comm_mode.fake_backend import init_fake_process_group
+from torchtitan.distributed.comm_mode.local_tensor_load import (
+    load_initial_weights,
+    take_initial_load,
+)
 from torchtitan.distributed.fsdp import data_parallel_override
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.tools.logging import logger
@@ -164,6 +168,7 @@ class LocalTensorSim(CommMode):
     def __init__(self, world_size: int, rank: int = 0) -> None:
         super().__init__(world_size, rank)
         self._stack = contextlib.ExitStack()
+        self._initial_load = None
 
     def prepare(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         refused = []
@@ -181,6 +186,7 @@ class LocalTensorSim(CommMode):
                 f"COMM_MODE={self.name} cannot run " + "; ".join(refused)
                 + ": turn that off, or run it for real with torchrun"
             )
+        self._initial_load = take_initial_load(job_config, self.name)
         off = []
         for section, key in (
             ("checkpoint", "enable"),
@@ -227,6 +233,13 @@ class LocalTensorSim(CommMode):
 
     def init_weights(self) -> contextlib.AbstractContextManager:
         return params_as_stored()
+
+    def load_initial_weights(self, model_parts: list[nn.Module]) -> bool:
+        """checkpoint.initial_load_path's weights into every simulated rank's shards."""
+        if self._initial_load is None:
+            return False
+        load_initial_weights(self._initial_load, model_parts, self.name)
+        return True
 
     def close(self) -> None:
         self._stack.close()

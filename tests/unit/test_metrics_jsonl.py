@@ -1,0 +1,54 @@
+"""The JSONL metrics sink: rank 0 writes ``{dump_folder}/metrics.jsonl`` at full precision."""
+
+from __future__ import annotations
+
+import json
+
+from torchtitan.components.metrics import METRICS_JSONL, MetricsProcessor
+from torchtitan.config.job_config import JobConfig
+
+
+def _processor(dump_folder, rank: int = 0) -> MetricsProcessor:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.disable_color_printing = True
+    return MetricsProcessor(cfg, rank=rank, compute_dtype="float32")
+
+
+def _records(dump_folder) -> list[dict]:
+    return [json.loads(line) for line in (dump_folder / METRICS_JSONL).read_text().splitlines()]
+
+
+def test_rank0_writes_every_logged_step_at_full_precision(dump_folder):
+    mp = _processor(dump_folder)
+    for step, loss in ((1, 8.123456789012), (2, 8.123456789099)):
+        mp.ntokens_since_last_log = 512
+        mp.log(step, loss, 0.25 + step, 1e-4 * step, extra={"tokens": 512 * step})
+    mp.log_validation(2, 7.5)
+    mp.log(3, float("nan"), float("inf"), 3e-4, extra={"tokens": 1536})
+    mp.close()
+    records = _records(dump_folder)
+    assert [r["step"] for r in records] == [1, 2, 2, 3]
+    assert records[0]["loss"] == 8.123456789012 and records[1]["loss"] == 8.123456789099
+    assert (records[1]["grad_norm"], records[1]["lr"], records[1]["tokens"]) == (2.25, 2e-4, 1024)
+    assert records[2] == {"step": 2, "validation/loss": 7.5}
+    assert (records[3]["loss"], records[3]["grad_norm"]) == ("nan", "inf")  # valid JSON
+    assert {"tps", "memory/peak_gib", "time/step_s"} <= set(records[0])
+
+
+def test_fresh_run_truncates_resumed_run_appends_other_ranks_write_nothing(dump_folder):
+    mp = _processor(dump_folder)
+    mp.log(1, 9.0, 1.0, 1e-4)
+    mp.close()
+    resumed = _processor(dump_folder)
+    resumed.log(2, 8.0, 1.0, 1e-4)
+    resumed.close()
+    assert [r["loss"] for r in _records(dump_folder)] == [9.0, 8.0]
+    fresh = _processor(dump_folder)
+    fresh.log(1, 7.0, 1.0, 1e-4)
+    fresh.close()
+    assert [r["loss"] for r in _records(dump_folder)] == [7.0]
+    other = _processor(dump_folder / "rank1", rank=1)
+    other.log(1, 7.0, 1.0, 1e-4)
+    other.close()
+    assert not (dump_folder / "rank1" / METRICS_JSONL).exists()
