@@ -126,6 +126,25 @@ CASES = [
     ),
     ("flag-without-section", None, ["--steps", "3"], ["did you mean --training.steps"]),
     ("unknown-section-flag", None, ["--trainig.steps", "3"], ["did you mean --training.steps"]),
+    (  # the 2024-era debugging guide's advice, without the section
+        "negated-flag-without-section",
+        None,
+        ["--no_enable_memory_snapshot"],
+        ["unknown flag --no_enable_memory_snapshot",
+         "did you mean --profiling.no_enable_memory_snapshot?"],
+    ),
+    (
+        "bool-without-section-equals-false",
+        None,
+        ["--enable_memory_snapshot=False"],
+        ["did you mean --profiling.no_enable_memory_snapshot?"],
+    ),
+    (
+        "negated-typo",
+        None,
+        ["--profiling.no-enable-memory-snapshott"],
+        ["did you mean --profiling.no_enable_memory_snapshot?"],
+    ),
     (
         "bool-equals-false",
         None,

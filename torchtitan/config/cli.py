@@ -70,8 +70,7 @@ def peek(argv: list[str], names: tuple[str, ...]) -> str | None:
     return value
 
 
-def _unknown_flag(name: str, fields: dict[str, Field]) -> str:
-    names = list(fields)
+def _guess(name: str, names: list[str]) -> str | None:
     guess = suggest(name, names)
     if guess is None:
         last = name.rsplit(".", 1)[-1]
@@ -79,8 +78,30 @@ def _unknown_flag(name: str, fields: dict[str, Field]) -> str:
         guess = same[0] if same else suggest(last, [k.rsplit(".", 1)[-1] for k in names])
         if guess is not None and guess not in names:
             guess = next(k for k in names if k.rsplit(".", 1)[-1] == guess)
+    return guess
+
+
+_FALSE = ("false", "0", "no", "off")
+
+
+def _unknown_flag(name: str, fields: dict[str, Field], value: str | None = None) -> str:
+    """``unknown flag --x (did you mean --y?)``. A ``no_`` prefix, or a false value given to
+    a boolean (``--flag=False``), is kept in the suggestion: ``--section.no_flag``."""
+    section, _, last = name.rpartition(".")
+    negated = last.startswith("no_")
+    if negated:
+        name = f"{section}.{last[3:]}" if section else last[3:]
+    guess = _guess(name, list(fields))
+    field = fields.get(guess) if guess else None
+    if field is not None and field.is_bool:
+        if negated or (value is not None and value.strip().lower() in _FALSE):
+            head, _, tail = guess.rpartition(".")
+            guess = f"{head}.no_{tail}" if head else f"no_{tail}"
+    elif negated and guess is not None:
+        guess = None  # only booleans have a no_ form
+    shown = f"{section}.{last}" if section else last
     hint = f" (did you mean --{guess}?)" if guess else ""
-    return f"unknown flag --{name}{hint}; run with --help to list the flags"
+    return f"unknown flag --{shown}{hint}; run with --help to list the flags"
 
 
 def _bool_misuse(flag: str, got: str) -> str:
@@ -171,7 +192,7 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
 
         field = fields.get(target)
         if field is None:
-            raise ConfigError(_unknown_flag(name, fields))
+            raise ConfigError(_unknown_flag(name, fields, inline))
         if target in legacy.DEPRECATED:
             legacy.warn(f"deprecated flag --{target}: {legacy.DEPRECATED[target]}")
         if field.is_bool:
