@@ -21,6 +21,7 @@ import torch
 from tests.distributed.launcher import launch
 from tests.distributed.trainer_runs import (
     BASE_ARGS,
+    REAL_DATA,
     STEPS,
     from_seed,
     resume_args,
@@ -82,9 +83,15 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     resume_fsdp4 = resume_args(saved, 2, "--parallelism.data_parallel_shard_degree", "4",
                                "--training.local_batch_size", "2")
     resume_one = resume_args(saved, 2)
+    # The real dataloader under CP: 4 steps straight (saving at 2), then resumed from step 2.
+    real = str(root / "cp2_real_data")
+    real_flags = [REAL_DATA, *BASE_ARGS, "--job.dump_folder", real, "--checkpoint.enable",
+                  "--checkpoint.initial_load_path", seed_dir, "--checkpoint.interval", "2",
+                  *CP2, *NO_DP]
+    real_resumed = [*real_flags, "--checkpoint.load_step", "2"]
     for world, layouts, first, last in (
         (1, ONE_RANK, [seed_args(str(root / "seed"))], {}),
-        (2, TWO_RANKS, [], {}),
+        (2, TWO_RANKS, [], {"real_data": real_flags, "real_data_resumed": real_resumed}),
         (4, FOUR_RANKS, [], {"saved": save, "resumed_fsdp4": resume_fsdp4}),
         (1, {}, [], {"resumed_one": resume_one}),
     ):
@@ -168,3 +175,13 @@ def test_cp_checkpoint_resumes_under_another_layout(resumed, runs):
                 run[key], uninterrupted[key][2:], **TOL,
                 msg=lambda m, k=key, r=rank: f"{resumed} rank {r} {k}: {m}",
             )
+
+
+def test_cp_real_dataloader_resumes_exactly(runs):
+    """The dataloader position (shared by the two CP ranks of one dp rank) and the rest of the
+    state resume: steps 3-4 after a resume equal steps 3-4 of the run that never stopped."""
+    straight, resumed = runs["real_data"], runs["real_data_resumed"]
+    for rank in range(2):
+        assert resumed[rank]["first_step"] == [3]
+        assert resumed[rank]["loss"] == straight[rank]["loss"][2:]  # bitwise
+        assert resumed[rank]["grad_norm"] == straight[rank]["grad_norm"][2:]

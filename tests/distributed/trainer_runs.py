@@ -77,9 +77,16 @@ def resume_args(dump: str, step: int, *extra: str) -> list[str]:
             str(step), "--checkpoint.exclude_from_loading", "dataloader", *extra]
 
 
+REAL_DATA = "real-data"
+"""Put first in an argv list to train on the configured dataloader instead of fixed batches."""
+
+
 def run_trainer(argv: list[str]) -> dict[str, list[float]]:
     """Build a Trainer in this (launched) process, load its checkpoint, run the remaining steps
-    on fixed batches (saving as configured), and record them."""
+    on fixed batches (or the real dataloader after ``REAL_DATA``), saving as configured, and
+    record them."""
+    real_data = argv[:1] == [REAL_DATA]
+    argv = argv[1:] if real_data else argv
     from torchtitan.config.manager import ConfigManager
     from torchtitan.train import Trainer
 
@@ -93,7 +100,7 @@ def run_trainer(argv: list[str]) -> dict[str, list[float]]:
         batches = FixedBatches(
             dims.mesh_local_rank("dp"), dims.dp_degree, cfg.training.local_batch_size, trainer.step
         )
-        iterator = iter(batches)
+        iterator = iter(trainer.dataloader if real_data else batches)
         while trainer.step < cfg.training.steps:
             trainer.step += 1
             loss, grad_norm = trainer.train_step(iterator)
@@ -115,7 +122,7 @@ def run_sequence(runs: list[list[str]]) -> list[dict[str, list[float]]]:
 
     results = []
     for argv in runs:
-        if "--checkpoint.create_seed_checkpoint" in argv:
+        if "--checkpoint.create_seed_checkpoint" in argv and REAL_DATA not in argv:
             trainer = Trainer(ConfigManager().parse_args(argv))
             try:
                 trainer.train()
