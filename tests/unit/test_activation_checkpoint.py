@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections import defaultdict
 
 import pytest
@@ -107,18 +108,47 @@ def test_state_dict_keys_stay_clean():
 
 
 def test_debug_options_reach_torch_checkpoint():
-    cfg = _cfg(
-        "full", preserve_rng_state=True, determinism_check="none", debug=True, early_stop=True
-    )
+    cfg = _cfg("full", preserve_rng_state=True, determinism_check="none", early_stop=True)
     block = apply_ac(_model(1), cfg).layers["0"]
     kw = block.checkpoint_fn.keywords
     assert kw["use_reentrant"] is False
-    assert (kw["preserve_rng_state"], kw["determinism_check"], kw["debug"], kw["early_stop"]) == (
+    assert (kw["preserve_rng_state"], kw["determinism_check"], kw["early_stop"]) == (
         True,
         "none",
         True,
-        True,
     )
+
+
+@pytest.mark.parametrize(("mode", "option"), [("full", "2"), ("selective", "op")])
+def test_debug_shows_the_ops_it_captured(mode, option, caplog):
+    """activation_checkpoint.debug logs, once per block, the ops its forward and its recompute
+    ran (torch's debug=True only shows them inside an error)."""
+    model = apply_ac(_model(2), _cfg(mode, option, debug=True))
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    with caplog.at_level("INFO", logger="torchtitan"):
+        for _ in range(2):
+            model(tokens).sum().backward()
+    lines = sorted(m for m in caplog.messages if "activation_checkpoint.debug" in m)
+    assert len(lines) == 2, lines  # one per block, first backward only
+    for block, line in enumerate(lines):
+        assert re.fullmatch(
+            rf"activation_checkpoint.debug: layers.{block} recomputed the same \d+ ops as its "
+            r"forward \(aten\.\w+.*x\d+, \.\.\.\)", line
+        ), line
+    assert "aten.mm x" in lines[0]
+
+
+def test_debug_names_the_first_op_that_differs(caplog):
+    from torchtitan.distributed.activation_checkpoint import OpCapture
+
+    capture = OpCapture("layers.3")
+    capture.forward = ["aten.mm.default", "aten.add.Tensor", "aten.mul.Tensor"]
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        capture.report(["aten.mm.default", "aten.sub.Tensor"])
+    assert caplog.messages == [
+        "activation_checkpoint.debug: layers.3 recomputed 2 ops but its forward ran 3; first "
+        "difference at op 2: aten.add.Tensor vs aten.sub.Tensor"
+    ]
 
 
 def test_none_changes_nothing():

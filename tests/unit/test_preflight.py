@@ -42,6 +42,7 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--parallelism.tensor_parallel_degree", "32"], "must divide the model's n_heads=16"),
         (["--training.global_batch_size", "12"], "global_batch_size=12 must be a multiple"),
         (["--model.flavor", "8b"], "Did you mean '8B'"),
+        (["--activation_checkpoint.debug", "--compile.enable"], "debug records the ops of eager"),
     ],
 )
 def test_tool_refuses_a_config_the_trainer_would_refuse(capsys, flags, needle):

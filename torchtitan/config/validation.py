@@ -121,6 +121,12 @@ def validate(cfg: Any) -> None:
             f"activation_checkpoint.selective_ac_option must be 'op' or a positive integer "
             f"(checkpoint every Nth block), got {option!r}"
         )
+    ac = cfg.activation_checkpoint
+    if ac.debug and ac.mode != "none" and cfg.compile.enable and "model" in cfg.compile.components:
+        raise ConfigError(
+            "activation_checkpoint.debug records the ops of eager blocks; compiled blocks run "
+            "none of them one by one: turn compile off (--compile.no_enable) to debug AC"
+        )
     dl = cfg.training.dataloader
     if dl.num_workers == 0:
         for name in ("persistent_workers", "prefetch_factor"):

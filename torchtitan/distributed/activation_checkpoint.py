@@ -8,9 +8,12 @@ from an ancestor module does show the prefix.)
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
+import contextlib
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,16 +114,103 @@ def _force_recompute_mm_shapes(
     return shapes
 
 
-def _wrap(block: nn.Module, cfg: ActivationCheckpoint, context_fn: Callable | None = None):
+_OP = re.compile(r"= (?:torch\._ops\.)?([\w.]+)\(")
+
+
+# Ops that only reshape or alias: left out of the summary of what a block computes.
+_SHAPE_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "reshape", "slice",
+              "select", "split", "unsqueeze", "squeeze", "alias", "clone", "_to_copy", "unbind",
+              "split_with_sizes", "view_as_real", "view_as_complex", "contiguous"}
+
+
+def _op_names(logs: list[str]) -> list[str]:
+    """Op names from LoggingTensorMode lines (the recompute's own ``detach`` of each tensor
+    it saves again is left out)."""
+    names = [m.group(1) for m in map(_OP.search, logs) if m]
+    return [n for n in names if n != "aten.detach.default"]
+
+
+class OpCapture:
+    """``activation_checkpoint.debug``: the aten ops one block ran in its forward and in its
+    recompute during backward, compared and logged once per block (the first backward).
+
+    torch's own ``debug=True`` prints its op lists only inside the error it raises when the
+    recompute differs, so a run that is fine shows nothing; this shows what was captured.
+    """
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+        self.forward: list[str] | None = None
+        self.reported = False
+
+    @contextlib.contextmanager
+    def capture(self, phase: str) -> Iterator[None]:
+        from torch.testing._internal.logging_tensor import LoggingTensorMode, capture_logs
+
+        if self.reported:
+            yield
+            return
+        with LoggingTensorMode(), capture_logs(is_mode=True) as logs:
+            yield
+        if phase == "forward":
+            self.forward = _op_names(logs)
+        else:
+            self.report(_op_names(logs))
+
+    def report(self, recompute: list[str]) -> None:
+        self.reported = True
+        forward = self.forward or []
+        counts = Counter(n for n in forward if n.split(".")[1] not in _SHAPE_OPS).most_common(4)
+        top = ", ".join(f"{name.removesuffix('.default')} x{n}" for name, n in counts)
+        if forward == recompute:
+            logger.info(
+                f"activation_checkpoint.debug: {self.fqn} recomputed the same {len(forward)} ops "
+                f"as its forward ({top}, ...)"
+            )
+            return
+        if recompute and forward[: len(recompute)] == recompute:
+            logger.info(
+                f"activation_checkpoint.debug: {self.fqn} recomputed the first {len(recompute)} "
+                f"of the {len(forward)} ops its forward ran, identically (early stop; {top}, ...)"
+            )
+            return
+        i = next((k for k, (a, b) in enumerate(zip(forward, recompute)) if a != b),
+                 min(len(forward), len(recompute)))
+        first = forward[i] if i < len(forward) else "(end)"
+        again = recompute[i] if i < len(recompute) else "(end)"
+        logger.warning(
+            f"activation_checkpoint.debug: {self.fqn} recomputed {len(recompute)} ops but its "
+            f"forward ran {len(forward)}; first difference at op {i + 1}: {first} vs {again}"
+        )
+
+
+def _wrap(block: nn.Module, cfg: ActivationCheckpoint, context_fn: Callable | None = None,
+          fqn: str = "block"):
     kwargs = dict(
         preserve_rng_state=cfg.preserve_rng_state,
         determinism_check=cfg.determinism_check,
         early_stop=cfg.early_stop,
-        debug=cfg.debug,
     )
+    if cfg.debug:  # our capture replaces torch's debug=True (both are a context_fn)
+        capture, inner = OpCapture(fqn), context_fn
+
+        def context_fn():
+            fwd, rec = inner() if inner is not None else (None, None)
+            return _both(fwd, capture.capture("forward")), _both(rec, capture.capture("recompute"))
+
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     return checkpoint_wrapper(block, **kwargs)
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    """Enter ``first`` (may be None) then ``second`` when this context is entered."""
+    with contextlib.ExitStack() as stack:
+        for ctx in (first, second):
+            if ctx is not None:
+                stack.enter_context(ctx)
+        yield
 
 
 def apply_ac(
@@ -156,13 +246,13 @@ def apply_ac(
                 policy = partial(_op_sac_policy, save_list, shapes, defaultdict(int))
                 return create_selective_checkpoint_contexts(policy)
 
-            new_block = _wrap(block, ac_cfg, context_fn)
+            new_block = _wrap(block, ac_cfg, context_fn, fqn=f"layers.{layer_id}")
         else:
             # global layer ids keep the choice the same when pipeline stages hold a subset
             position = int(layer_id) if str(layer_id).isdigit() else index
             if (position + 1) % every_n:
                 continue
-            new_block = _wrap(block, ac_cfg)
+            new_block = _wrap(block, ac_cfg, fqn=f"layers.{layer_id}")
         layers[layer_id] = new_block
         wrapped += 1
     detail = ac_cfg.mode if ac_cfg.mode == "full" else f"selective {ac_cfg.selective_ac_option}"
