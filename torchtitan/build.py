@@ -28,6 +28,7 @@ from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.distributed.pipeline import Pipeline
 from torchtitan.models import ModelSpec, get_model_spec
+from torchtitan.models.common.moe import MoE, moe_layers
 from torchtitan.tools.device import device_type, get_device
 from torchtitan.tools.logging import logger
 
@@ -58,6 +59,8 @@ class RunParts:
     flops_per_token: float
     global_batch_size: int
     gradient_accumulation_steps: int
+    moe_layers: list[MoE]
+    """The mixture-of-experts layers of this rank's model parts (empty for dense models)."""
     compute_dtype: str
     """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
     loss_parallel: bool
@@ -239,6 +242,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                 if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
                     part.to(to_torch_dtype(cfg.training.dtype, "training.dtype"))
                 part.train()
+            layers = moe_layers(model_parts)
+            for layer in layers:  # the auxiliary loss is added once per microbatch
+                layer.aux_loss_scale = 1.0 / grad_accum
             optimizers = build_optimizers(model_parts, cfg.optimizer)
             lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
 
@@ -264,6 +270,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         flops_per_token=flops_per_token,
         global_batch_size=global_bs,
         gradient_accumulation_steps=grad_accum,
+        moe_layers=layers,
         compute_dtype=compute_dtype(cfg, parallel_dims),
         loss_parallel=parallel_dims.loss_parallel_enabled
         and not cfg.parallelism.disable_loss_parallel,

@@ -18,6 +18,7 @@ from torchtitan.build import RunParts
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline.evaluation import local_value
+from torchtitan.models.common.moe import update_load_balance_bias
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -107,8 +108,21 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
     return loss, dist_utils.scalar_value(grad_norm)
 
 
-def optimizer_step(run: RunParts) -> None:
-    """Apply the optimizers and advance the LR schedules."""
+def optimizer_step(run: RunParts) -> dict[str, float]:
+    """Update the MoE load-balancing biases from this step's routing (token counts summed over
+    the data- and context-parallel ranks), apply the optimizers and advance the LR schedules.
+
+    Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers).
+    """
+    loss_mesh = run.loss_mesh
+
+    def reduce_sum(counts: torch.Tensor) -> torch.Tensor:
+        if loss_mesh is not None:
+            torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
+        return counts
+
     with run.comm_mode.step():
+        figures = update_load_balance_bias(run.moe_layers, reduce_sum)
         run.optimizers.step()
     run.lr_schedulers.step()
+    return {name: dist_utils.scalar_value(value) for name, value in figures.items()}

@@ -59,6 +59,7 @@ class Trainer(Stateful):
 
         self.step = 0
         self.ntokens_seen = 0
+        self.moe_figures: dict[str, float] = {}  # MoE load of the last step (empty if dense)
         self.rng_state = RNGState(self.rank, repr(run.parallel_dims), cuda=device_type == "cuda")
         self.metrics = MetricsProcessor(cfg, rank=self.rank, compute_dtype=run.compute_dtype)
         self.metrics.num_flops_per_token = run.flops_per_token
@@ -117,7 +118,7 @@ class Trainer(Stateful):
                 + self.checkpointer.resume_hint(self.step - 1)
             )
         self.checkpointer.maybe_wait_for_staging()
-        optimizer_step(self.run)
+        self.moe_figures = optimizer_step(self.run)
         return loss, grad_norm
 
     # --- the loop ------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Trainer(Stateful):
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
                     tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
-                    self.metrics.log(self.step, loss, grad_norm, lr, extra={"tokens": tokens})
+                    self.metrics.log(self.step, loss, grad_norm, lr, extra={"tokens": tokens, **self.moe_figures})
                 if self.validator is not None and self.validator.should_validate(self.step):
                     self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 stop = self._preemption_agreed()

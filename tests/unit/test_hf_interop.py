@@ -151,7 +151,7 @@ def test_ours_to_hf_export_matches(tmp_path, capsys):
     assert (_hf_logits(hf, tokens) - ref).abs().max().item() < TOL
     capsys.readouterr()
     assert script.main([str(ckpt), str(tmp_path / "x"), "--flavor", "8B"]) == 2
-    assert "flavor 8B has 4096" in capsys.readouterr().err
+    assert "vocab size is 256, flavor 8B has 128256" in capsys.readouterr().err
 
 
 def test_checkpoint_manager_hf_initial_load_and_last_save(tmp_path):

@@ -7,6 +7,7 @@ Key names and the wq/wk permutation are the model's state-dict adapter's busines
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
@@ -94,15 +95,70 @@ def load_hf(path: str, model: ModelWrapper, sd_adapter: Any, exclude: list[str])
     return [f"{MODEL} (HF safetensors)"]
 
 
+MODEL_ARGS_KEY = "model_args"
+"""Key of the commit marker (``.committed``) that records the model's architecture."""
+
+
+def model_info(sd_adapter: Any | None) -> dict[str, Any]:
+    """``{"model_args": {...}}`` for a checkpoint's commit marker: the architecture (heads,
+    kv heads, layers, ...) that the weights' shapes alone cannot tell, so exports can check
+    a flavor against it or need no flavor at all; ``{}`` when unknown."""
+    args = getattr(sd_adapter, "model_args", None)
+    if args is None or not dataclasses.is_dataclass(args):
+        return {}
+    return {MODEL_ARGS_KEY: json.loads(json.dumps(dataclasses.asdict(args), default=str))}
+
+
+def hf_export_config(sd_adapter: Any, export_dtype: str, tokenizer: Any | None = None) -> dict:
+    """``config.json`` of an HF export: the adapter's architecture config (``dtype``,
+    ``max_position_embeddings`` of the flavor) plus the tokenizer's BOS/EOS/pad ids."""
+    config = dict(sd_adapter.hf_config(export_dtype))
+    if tokenizer is not None:
+        from torchtitan.components.hf_assets import special_ids
+
+        ids = special_ids(tokenizer)
+        config["bos_token_id"], config["eos_token_id"] = ids["bos_token_id"], ids["eos_token_id"]
+        if tokenizer.pad_id >= 0:
+            config["pad_token_id"] = tokenizer.pad_id
+    return config
+
+
+def write_hf_folder(
+    out: str,
+    weights: dict[str, torch.Tensor],
+    sd_adapter: Any,
+    export_dtype: str,
+    tokenizer: Any | None = None,
+) -> list[str]:
+    """Write an HF model folder from full FQN-keyed ``weights``: safetensors, ``config.json``
+    and, with a ``tokenizer``, ``generation_config.json`` and the tokenizer files (so
+    ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained(out)`` work offline). Shared by
+    ``checkpoint.last_save_in_hf`` and scripts/convert_dcp_to_hf.py; returns the file names."""
+    from torchtitan.components import hf_assets
+
+    files = save_safetensors_folder(sd_adapter.to_hf(weights), out)
+    config = hf_export_config(sd_adapter, export_dtype, tokenizer)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    files.append("config.json")
+    if tokenizer is not None:
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(hf_assets.generation_config(tokenizer), f, indent=2)
+        files.append("generation_config.json")
+        files += hf_assets.save_tokenizer_files(tokenizer, out, config["max_position_embeddings"])
+    return files
+
+
 def export_hf(
-    tmp: str, sd_adapter: Any, export_dtype: str, extra_non_model: Iterable[str] = ()
+    tmp: str,
+    sd_adapter: Any,
+    export_dtype: str,
+    extra_non_model: Iterable[str] = (),
+    tokenizer: Any | None = None,
 ) -> None:
-    """Write ``tmp/hf``: the model weights of DCP checkpoint ``tmp`` as HF safetensors plus the
-    adapter's ``config.json`` (rank 0; reads the full weights into host memory)."""
+    """Write ``tmp/hf``: the model weights of DCP checkpoint ``tmp`` as an HF folder
+    (:func:`write_hf_folder`; rank 0; reads the full weights into host memory)."""
     weights = load_dcp_model_tensors(
         tmp, dtype=EXPORT_DTYPES[export_dtype], extra_non_model=extra_non_model
     )
-    out = os.path.join(tmp, fs.HF_SUBFOLDER)
-    save_safetensors_folder(sd_adapter.to_hf(weights), out)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(sd_adapter.hf_config(export_dtype), f, indent=2)
+    write_hf_folder(os.path.join(tmp, fs.HF_SUBFOLDER), weights, sd_adapter, export_dtype, tokenizer)

@@ -53,6 +53,8 @@ class CheckpointManager:
             ``initial_load_in_hf`` / ``last_save_in_hf``.
         save_hooks: called at each phase of every save (hooks.py); None: the object named by
             ``TORCHTITAN_CHECKPOINT_HOOKS`` if set, else no hooks.
+        tokenizer: the run's tokenizer; ``last_save_in_hf`` then also writes the tokenizer
+            files, ``generation_config.json`` and BOS/EOS ids in ``config.json``.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class CheckpointManager:
         dump_folder: str,
         sd_adapter: Any | None = None,
         save_hooks: SaveHooks | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         self.config = cfg = checkpoint_config
         self.enable = bool(cfg.enable or cfg.create_seed_checkpoint)
@@ -75,6 +78,7 @@ class CheckpointManager:
         self.loaded: list[str] = []
         """The states the last ``load`` restored (empty: nothing was loaded)."""
         self.sd_adapter = sd_adapter
+        self.tokenizer = tokenizer
         self.states: dict[str, Stateful] = {}
         for name, obj in (
             (OPTIMIZER, optimizers),
@@ -251,6 +255,7 @@ class CheckpointManager:
             sd = self._full_state()
         states = sorted(k for k in sd if k in self.states)
         info = {"step": curr_step, "model_only": model_only, "states": states}
+        info.update(hf.model_info(self.sd_adapter))  # the architecture, for HF export checks
         if self.async_mode != "disabled" and not (last_step or force):
             self.saver.save_async(curr_step, sd, info)
             return
@@ -262,6 +267,7 @@ class CheckpointManager:
                 sd_adapter=self.sd_adapter,
                 export_dtype=cfg.export_dtype,
                 extra_non_model=list(self.states),
+                tokenizer=self.tokenizer,
             )
         self.saver.save_sync(curr_step, sd, info, export=export)
 
@@ -282,6 +288,7 @@ class CheckpointManager:
         if os.path.exists(path):
             logger.warning(f"Checkpoint: replacing the existing seed checkpoint {path}")
         info = {"step": 0, "model_only": True, "states": [], "seed": True}
+        info.update(hf.model_info(self.sd_adapter))
         self.saver.save_sync(0, self._model_state(), info)
         logger.info(
             f"Checkpoint: seed checkpoint written to {path}; start runs from it with "

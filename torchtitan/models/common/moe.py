@@ -305,16 +305,16 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
 @torch.no_grad()
 def update_load_balance_bias(
     layers: list[MoE], reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """After an optimizer step: move each layer's ``expert_bias`` toward its under-loaded
     experts by ``load_balance_coeff * sign(mean_load - load)`` (centred), from the tokens
     counted since the last call, then zero the counts.
 
     ``reduce_sum`` sums a tensor over the ranks that saw different tokens (data and context
     parallel), in place; every rank then applies the same update. Returns load figures of the
-    step: ``moe/max_load`` (the largest max/mean expert load over layers; 1.0 is perfect
-    balance), ``moe/min_load`` (the smallest min/mean) and ``moe/dropped_tokens`` (always 0:
-    token-choice routing drops nothing).
+    step as 0-dim tensors: ``moe/max_load`` (the largest max/mean expert load over layers; 1.0
+    is perfect balance), ``moe/min_load`` (the smallest min/mean) and ``moe/dropped_tokens``
+    (always 0: token-choice routing drops nothing).
     """
     if not layers:
         return {}
@@ -330,7 +330,7 @@ def update_load_balance_bias(
             layer.expert_bias.add_(delta - delta.mean())
         layer.tokens_per_expert.zero_()
     return {
-        "moe/max_load": float(load.max()),
-        "moe/min_load": float(load.min()),
-        "moe/dropped_tokens": 0.0,
+        "moe/max_load": load.max(),
+        "moe/min_load": load.min(),
+        "moe/dropped_tokens": torch.zeros(()),
     }

@@ -137,7 +137,7 @@ def hf_config_from_model_args(args: TransformerModelArgs, dtype: str = "float32"
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": args.tie_word_embeddings,
-        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers >= 4.56 reads "dtype" ("torch_dtype" is deprecated)
     }
     s = args.rope_scaling
     if s is not None:
