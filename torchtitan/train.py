@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import signal
@@ -67,7 +68,6 @@ class Trainer(Stateful):
 
         from torchtitan.components.checkpoint import CheckpointManager
 
-        spec = run.model_spec
         self.checkpointer = CheckpointManager(
             dataloader=self.dataloader,
             model_parts=self.model_parts,
@@ -76,11 +76,8 @@ class Trainer(Stateful):
             states={"train_state": self},
             checkpoint_config=cfg.checkpoint,
             dump_folder=cfg.job.dump_folder,
-            sd_adapter=(
-                spec.state_dict_adapter(run.model_args, cfg.model.hf_assets_path)
-                if spec.state_dict_adapter is not None
-                else None
-            ),
+            sd_adapter=self._hf_adapter(),
+            tokenizer=run.tokenizer,
         )
         self.validator = build_validator(run) if cfg.validation.enable else None
         self._stop_requested = False
@@ -92,6 +89,17 @@ class Trainer(Stateful):
             f"{t.local_batch_size}, global batch {run.global_batch_size} (gradient accumulation "
             f"{self.gradient_accumulation_steps}), seq_len {t.seq_len}, {t.steps} steps"
         )
+
+    def _hf_adapter(self) -> Any | None:
+        """The model's HF state-dict adapter (None: it has none). HF exports get the flavor's
+        context length as max_position_embeddings, not this run's training.seq_len."""
+        spec, cfg = self.run.model_spec, self.job_config
+        if spec.state_dict_adapter is None:
+            return None
+        args = copy.copy(self.run.model_args)
+        if hasattr(args, "max_seq_len"):
+            args.max_seq_len = spec.get_model_args(cfg.model.flavor).max_seq_len
+        return spec.state_dict_adapter(args, cfg.model.hf_assets_path)
 
     # --- one step ------------------------------------------------------------------------
     def next_batch(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
