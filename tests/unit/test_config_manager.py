@@ -575,6 +575,19 @@ def test_registry_unknown_name_lists_available(tmp_path):
         registry.config_path("llama3", "../etc/passwd")
 
 
+def test_registry_family_debug_config_preferred(tmp_path):
+    (tmp_path / "debug_model.toml").write_text("")
+    assert registry.config_path("qwen9", "qwen9_debugmodel", tmp_path) == tmp_path / "debug_model.toml"
+    (tmp_path / "qwen9_debugmodel.toml").write_text("")
+    assert registry.config_path("qwen9", "qwen9_debugmodel", tmp_path) == (
+        tmp_path / "qwen9_debugmodel.toml"
+    )
+    assert registry.config_path("llama3", "llama3_debugmodel", tmp_path) == (
+        tmp_path / "debug_model.toml"
+    )
+    assert "qwen9_debugmodel" in registry.available_configs("qwen9", tmp_path)
+
+
 def test_registry_register_config(tmp_path):
     (tmp_path / "special.toml").write_text("[training]\nsteps = 2\n")
     registry.register_config("mymodel", "mymodel_special", "special.toml")

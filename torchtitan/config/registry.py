@@ -3,7 +3,8 @@
 This is the mapping behind ``--module llama3 --config llama3_8b`` and
 ``MODULE=llama3 CONFIG=llama3_8b ./run_train.sh``:
 
-* ``<module>_debugmodel`` -> ``debug_model.toml``
+* ``<module>_debugmodel`` -> ``<module>_debugmodel.toml`` when the family has its own debug
+  config (``deepseek_v3_debugmodel.toml``), else the shared ``debug_model.toml``
 * any other name -> ``<config>.toml`` (``llama3_8b``, ``llama3_70b``, ``llama2_7b``, ...)
 
 ``python -m torchtitan.config.registry MODULE CONFIG`` prints the resolved path
@@ -47,7 +48,8 @@ def config_path(module: str | None, config: str, config_dir: Path | None = None)
     if explicit is not None:
         return folder / explicit
     if config == "debugmodel" or config.endswith("_debugmodel"):
-        return folder / "debug_model.toml"
+        own = folder / f"{config}.toml"
+        return own if config != "debugmodel" and own.is_file() else folder / "debug_model.toml"
     name = config[:-5] if config.endswith(".toml") else config
     return folder / f"{name}.toml"
 
