@@ -68,6 +68,18 @@ def test_router_top_k_normalisation_scale_and_groups():
     assert (biased == 7).any(dim=-1).all()
 
 
+def test_group_limit_holds_with_negative_biased_scores():
+    """Experts outside the chosen groups never win, even when the bias makes every allowed
+    score negative (masking them with 0 instead of -inf would pick them)."""
+    args = MoEArgs(num_experts=8, top_k=2, score_func="sigmoid", num_expert_groups=4,
+                   num_limited_groups=1)
+    router = TokenChoiceTopKRouter(4, args)
+    torch.manual_seed(1)
+    bias = torch.full((8,), -5.0)
+    _, selected, _, _ = router(torch.randn(10, 4), bias)
+    assert (selected // 2)[:, 0].eq((selected // 2)[:, 1]).all()
+
+
 def test_force_load_balance_routes_round_robin():
     moe = _moe(force_load_balance=True)
     moe(torch.randn(3, 4, 16))

@@ -114,15 +114,16 @@ class TokenChoiceTopKRouter(nn.Module):
 
 
 def _limit_to_groups(choice: torch.Tensor, n_groups: int, n_limited: int) -> torch.Tensor:
-    """Zero the scores of experts outside each token's ``n_limited`` best groups (a group's
-    score is the sum of its two best expert scores, as in DeepSeek-V3)."""
+    """Mask (-inf) the scores of experts outside each token's ``n_limited`` best groups (a
+    group's score is the sum of its two best expert scores, as in DeepSeek-V3). -inf, not 0:
+    a negative load-balancing bias can push allowed experts' scores below zero."""
     tokens, n_experts = choice.shape
     grouped = choice.view(tokens, n_groups, n_experts // n_groups)
     group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(1, group_scores.topk(n_limited, dim=-1).indices, True)
     mask = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, n_experts)
-    return choice.masked_fill(~mask, 0.0)
+    return choice.masked_fill(~mask, float("-inf"))
 
 
 class _ContiguousGrad(torch.autograd.Function):
