@@ -26,7 +26,7 @@ from torchtitan.distributed.comm_mode import comm_mode_from_env
 from torchtitan.launch import record_error
 from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
-from torchtitan.tools import flight_recorder
+from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -34,6 +34,12 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss became NaN); the message says why and where."""
+
+
+def _estimate(cfg: JobConfig, world_size: int) -> Any:
+    from torchtitan.tools.memory_estimation import estimate_memory
+
+    return estimate_memory(cfg, world_size)
 
 
 class Trainer(Stateful):
@@ -51,6 +57,7 @@ class Trainer(Stateful):
 
             log_memory_estimate(cfg, world_size)
         self.comm_mode = comm_mode_from_env(world_size)
+        self.comm_mode.check_memory(lambda: _estimate(cfg, world_size))
         self.run = run = build_run(cfg, self.comm_mode)
         self.device, self.rank = run.device, run.rank
         self.parallel_dims, self.world_mesh = run.parallel_dims, run.world_mesh
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     so in one line; the other rank's error is the root cause.
     """
     init_logger()
+    known_warnings.install()
     from torchtitan.config.manager import parse_args_or_exit
 
     job_config = parse_args_or_exit(argv)

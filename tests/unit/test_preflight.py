@@ -156,16 +156,3 @@ def test_record_error_writes_torchruns_error_file(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["message"] == "bad thing" and data[TRAINER_MARK]["exitcode"] == 2
 
-
-@pytest.mark.parametrize("mode", ["fake_backend", "local_tensor"])
-def test_dry_runs_switch_compile_and_async_tp_off(mode, caplog):
-    """One policy: a dry run checks layouts, not kernels, so both dry runs switch compile and
-    async TP off with one warning (a real run refuses async TP without CUDA: check_async_tp)."""
-    from torchtitan.distributed.comm_mode import COMM_MODES
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
-    cfg = cfg_of("--compile.enable", "--parallelism.enable_async_tensor_parallel")
-    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=4)
-    COMM_MODES[mode](4).prepare(cfg, dims)
-    assert not cfg.compile.enable and not cfg.parallelism.enable_async_tensor_parallel
-    assert "turned off compile.enable, parallelism.enable_async_tensor_parallel" in caplog.text

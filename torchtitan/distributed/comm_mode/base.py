@@ -17,6 +17,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.tools import flight_recorder
+from torchtitan.tools.logging import logger
 
 
 class CommMode:
@@ -39,6 +40,11 @@ class CommMode:
         if self.world_size > 1:
             flight_recorder.configure_env(job_config.comm, job_config.job.dump_folder, device_type)
             dist_utils.init_distributed(job_config.comm, device_type)
+
+    def check_memory(self, estimate: Callable[[], Any]) -> None:
+        """Refuse before building when the run cannot fit this machine's memory; ``estimate()``
+        returns one rank's :class:`~torchtitan.tools.memory_estimation.MemoryEstimate` (costs a
+        fake-tensor build and two steps, so a mode calls it only when it needs it)."""
 
     # --- data -----------------------------------------------------------------------------
     def build_tokenizer(self, build: Callable[[Any], Any], model_config: Any) -> Any:
@@ -82,3 +88,32 @@ class CommMode:
 
     def close(self) -> None:
         """Leave any tensor mode this mode entered."""
+
+
+DRY_RUN_OFF = (
+    ("checkpoint", "enable"),
+    ("validation", "enable"),
+    ("compile", "enable"),
+    ("parallelism", "enable_async_tensor_parallel"),
+    ("profiling", "enable_profiling"),
+    ("profiling", "enable_memory_snapshot"),
+)
+"""What the dry runs switch off: they write nothing, run eager kernels and profile nothing."""
+
+
+def prepare_dry_run(job_config: JobConfig, label: str, why: str,
+                    extra: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    """Switch off :data:`DRY_RUN_OFF` (+ ``extra``) with one info line saying ``why``, and fit
+    the LR warm-up into the run's steps (``run_train.sh`` gives a dry run one step) so the
+    scheduler does not warn about a step count the user did not choose. Returns what was
+    switched off."""
+    off = []
+    for section, key in (*DRY_RUN_OFF, *extra):
+        if getattr(getattr(job_config, section), key):
+            setattr(getattr(job_config, section), key, False)
+            off.append(f"{section}.{key}")
+    if off:
+        logger.info(f"{label}: switched off {', '.join(off)} ({why})")
+    lr = job_config.lr_scheduler
+    lr.warmup_steps = min(lr.warmup_steps, job_config.training.steps)
+    return off

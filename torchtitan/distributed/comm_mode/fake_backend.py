@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.comm_mode.base import CommMode
+from torchtitan.distributed.comm_mode.base import CommMode, prepare_dry_run
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.tools.logging import logger
 
@@ -105,23 +105,10 @@ class FakeBackend(CommMode):
                 "to point, which a fake process group cannot deliver): turn that off, or run it "
                 "for real with torchrun"
             )
-        off = []
-        for section, key in (
-            ("checkpoint", "enable"),
-            ("validation", "enable"),
-            ("metrics", "enable_tensorboard"),
-            ("metrics", "enable_wandb"),
-            ("compile", "enable"),
-            ("parallelism", "enable_async_tensor_parallel"),
-        ):
-            if getattr(getattr(job_config, section), key):
-                setattr(getattr(job_config, section), key, False)
-                off.append(f"{section}.{key}")
-        if off:
-            logger.warning(
-                f"{self.label}: turned off {', '.join(off)} (a dry run checks the layout, shapes "
-                "and memory, not outputs or kernels)"
-            )
+        prepare_dry_run(
+            job_config, self.label, "a dry run checks the layout, shapes and memory, not outputs, "
+            "kernels or timings", extra=(("metrics", "enable_tensorboard"), ("metrics", "enable_wandb")),
+        )
 
     def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
         init_fake_process_group(self.world_size, self.rank)

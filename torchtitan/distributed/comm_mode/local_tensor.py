@@ -5,21 +5,22 @@ numerics match a real run of that layout. Each data-parallel rank reads its own 
 Tensor parallel runs as is; data parallel (FSDP/HSDP/DDP) runs as DTensor-sharded parameters
 gathered on use (SimpleFSDP style), because ``fully_shard`` cannot run under
 LocalTensorMode. Pipeline parallel, context parallel and expert parallel are refused; compile (and async TP)
-are switched off with a warning, as in ``fake_backend``.
-Memory and time grow with the number of simulated ranks.
+are switched off (``prepare_dry_run``), as in ``fake_backend``.
+Memory and time grow with the number of simulated ranks: ``check_memory`` estimates the
+memory before the build and refuses a run that cannot fit.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.comm_mode.base import CommMode
+from torchtitan.distributed.comm_mode.base import CommMode, prepare_dry_run
 from torchtitan.distributed.comm_mode.fake_backend import init_fake_process_group
 from torchtitan.distributed.comm_mode.local_tensor_load import (
     load_initial_weights,
@@ -28,6 +29,33 @@ from torchtitan.distributed.comm_mode.local_tensor_load import (
 from torchtitan.distributed.fsdp import data_parallel_override
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.tools.logging import logger
+
+GiB = 1024**3
+
+
+def available_memory_bytes(device_type: str) -> int | None:
+    """Free memory of the device tensors live on (CUDA: free GPU memory; CPU: MemAvailable)."""
+    if device_type == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    """The estimator builds a run of its own: keep its log lines out of this one's."""
+    level = logger.level
+    logger.setLevel("ERROR")
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _dp_rank_of(parallel_dims: ParallelDims, rank: int) -> int:
@@ -187,21 +215,10 @@ class LocalTensorSim(CommMode):
                 + ": turn that off, or run it for real with torchrun"
             )
         self._initial_load = take_initial_load(job_config, self.name)
-        off = []
-        for section, key in (
-            ("checkpoint", "enable"),
-            ("validation", "enable"),
-            ("compile", "enable"),
-            ("parallelism", "enable_async_tensor_parallel"),
-        ):
-            if getattr(getattr(job_config, section), key):
-                setattr(getattr(job_config, section), key, False)
-                off.append(f"{section}.{key}")
-        if off:
-            logger.warning(
-                f"COMM_MODE={self.name}: turned off {', '.join(off)} (the simulation runs eager "
-                "kernels and writes nothing)"
-            )
+        prepare_dry_run(
+            job_config, f"COMM_MODE={self.name}",
+            "the simulation runs eager kernels, writes nothing and profiles nothing",
+        )
 
     def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
         init_fake_process_group(self.world_size, self.rank)
@@ -209,11 +226,31 @@ class LocalTensorSim(CommMode):
             f"COMM_MODE={self.name}: one process simulating all {self.world_size} ranks on a fake "
             "process group"
         )
-        logger.warning(
-            f"COMM_MODE={self.name} holds the tensors of all {self.world_size} simulated ranks "
-            f"in this process: expect about {self.world_size}x one rank's memory and time "
-            "(lower training.local_batch_size / seq_len if that is too much)"
+
+    def check_memory(self, estimate: Callable[[], Any]) -> None:
+        """This process holds every simulated rank's tensors: estimate the total (one rank's
+        fake-tensor estimate x ranks) and refuse in one line when it exceeds what is free."""
+        from torchtitan.tools.device import device_type
+
+        try:
+            with _quiet_logs():
+                per_rank = estimate().peak_bytes
+        except (ValueError, RuntimeError, NotImplementedError) as err:
+            logger.warning(f"COMM_MODE={self.name}: no memory estimate ({err}); going on")
+            return
+        total, free = per_rank * self.world_size, available_memory_bytes(device_type)
+        what = (
+            f"about {total / GiB:.2f} GiB ({self.world_size} simulated ranks x "
+            f"{per_rank / GiB:.2f} GiB, estimated)"
         )
+        if free is not None and total > free:
+            raise ParallelismError(
+                f"COMM_MODE={self.name} needs {what} but this machine has {free / GiB:.1f} GiB "
+                "free: simulate fewer ranks (NGPU), lower training.local_batch_size or seq_len, "
+                "or check the layout with COMM_MODE=fake_backend"
+            )
+        room = "" if free is None else f" of {free / GiB:.1f} GiB free"
+        logger.info(f"COMM_MODE={self.name}: memory {what}{room}; time grows with the ranks too")
 
     def build_dataloader(self, build_for_dp_rank, parallel_dims, local_batch_size, seq_len, vocab_size):
         """One loader per data-parallel rank, combined into per-rank LocalTensor batches."""
