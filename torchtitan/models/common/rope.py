@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1 frequency scaling."""
+"""Rotary position embeddings (RoPE), with Llama 3.1 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -21,6 +21,52 @@ class RoPEScalingArgs:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class YaRNScalingArgs:
+    """YaRN RoPE scaling (HF ``rope_type="yarn"``, DeepSeek-V2/V3), as transformers computes it.
+
+    Frequencies rotating more than ``beta_fast`` times over ``original_max_position_embeddings``
+    positions are kept, those rotating fewer than ``beta_slow`` times are divided by ``factor``,
+    with a linear ramp between (bounds floored/ceiled when ``truncate``). ``attention_factor``
+    multiplies the rotation (HF scales cos/sin by it), i.e. the rotated part of q.k by its square.
+    """
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_frequencies(
+    head_dim: int, theta: float, scaling: YaRNScalingArgs, device: torch.device | None = None
+) -> torch.Tensor:
+    """YaRN-scaled RoPE frequencies, float32 ``[head_dim // 2]`` (bit-identical to HF's)."""
+    if scaling.factor <= 0:
+        raise ValueError(f"YaRN factor={scaling.factor} must be positive")
+
+    def correction_dim(rotations: float) -> float:
+        length = scaling.original_max_position_embeddings
+        return head_dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
+    keep = (1 - ramp.clamp(0, 1)).to(device)  # 1: keep the frequency, 0: divide by factor
+    pos = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    return 1.0 / (scaling.factor * pos) * (1 - keep) + 1.0 / pos * keep
 
 
 def rope_frequencies(
@@ -57,16 +103,22 @@ def precompute_freqs_cis(
     head_dim: int,
     end: int,
     theta: float = 10000.0,
-    scaling: RoPEScalingArgs | None = None,
+    scaling: RoPEScalingArgs | YaRNScalingArgs | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Complex RoPE table ``exp(i * t * freq)``: complex64, shape ``[end, head_dim // 2]``."""
-    freqs = rope_frequencies(head_dim, theta, device=device)
-    if scaling is not None:
-        freqs = apply_rope_scaling(freqs, scaling)
+    """Complex RoPE table ``exp(i * t * freq)``: complex64, shape ``[end, head_dim // 2]``
+    (magnitude ``attention_factor`` with YaRN scaling, else 1)."""
+    magnitude = 1.0
+    if isinstance(scaling, YaRNScalingArgs):
+        freqs = yarn_frequencies(head_dim, theta, scaling, device=device)
+        magnitude = scaling.attention_factor
+    else:
+        freqs = rope_frequencies(head_dim, theta, device=device)
+        if scaling is not None:
+            freqs = apply_rope_scaling(freqs, scaling)
     t = torch.arange(end, device=freqs.device, dtype=torch.float32)
     angles = torch.outer(t, freqs).float()
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
 
 
 def apply_rotary_emb(
