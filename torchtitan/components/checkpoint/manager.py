@@ -292,8 +292,23 @@ class CheckpointManager:
         self.saver.save_sync(0, self._model_state(), info)
         logger.info(
             f"Checkpoint: seed checkpoint written to {path}; start runs from it with "
-            f"--checkpoint.enable (any parallel layout, resharded on load)"
+            f"{self._seed_flags()} (any parallel layout, resharded on load)"
         )
+
+    def _seed_flags(self) -> str:
+        """The flags a run needs to find this folder's seed checkpoint: ``--checkpoint.enable``,
+        plus the dump folder / checkpoint folder when they are not the defaults."""
+        from torchtitan.config.job_config import Checkpoint as CheckpointDefaults
+        from torchtitan.config.job_config import Job
+
+        flags = ["--checkpoint.enable"]
+        if not os.path.isabs(self.config.folder):  # else the dump folder plays no part
+            dump = self.folder[: -len(self.config.folder)].rstrip("/") or "."
+            if os.path.normpath(dump) != os.path.normpath(Job().dump_folder):
+                flags.append(f"--job.dump_folder {dump}")
+        if self.config.folder != CheckpointDefaults().folder:
+            flags.append(f"--checkpoint.folder {self.config.folder}")
+        return " ".join(flags)
 
     # --- loading ---------------------------------------------------------------------------
     def load(self, step: int = -1) -> bool:
