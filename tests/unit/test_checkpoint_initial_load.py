@@ -57,3 +57,32 @@ def test_without_enable_or_initial_path_nothing_is_loaded(tmp_path):
     before = model.weight.detach().clone()
     assert not _manager(model, tmp_path / "run").load()
     assert torch.equal(model.weight, before)
+
+
+def _dims(world_size: int):
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    return ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size)
+
+
+def test_comm_modes_take_initial_load_path_off_the_manager(tmp_path):
+    """fake_backend cannot load values (dropped); local_tensor loads it itself (taken)."""
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.comm_mode import COMM_MODES
+
+    cfg = JobConfig()
+    cfg.checkpoint.initial_load_path = str(tmp_path)
+    COMM_MODES["fake_backend"](8).prepare(cfg, _dims(8))
+    assert cfg.checkpoint.initial_load_path is None
+
+    cfg = JobConfig()
+    cfg.checkpoint.initial_load_path = str(tmp_path)
+    sim = COMM_MODES["local_tensor"](4)
+    sim.prepare(cfg, _dims(4))
+    assert cfg.checkpoint.initial_load_path is None and not cfg.checkpoint.enable
+    assert sim._initial_load.initial_load_path == str(tmp_path)
+
+    cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_in_hf = str(tmp_path), True
+    with pytest.raises(ValueError, match="^COMM_MODE=local_tensor loads DCP checkpoints only, not "
+                       "checkpoint.initial_load_in_hf; convert the HF weights"):
+        COMM_MODES["local_tensor"](4).prepare(cfg, _dims(4))

@@ -109,6 +109,12 @@ class FakeBackend(CommMode):
             job_config, self.label, "a dry run checks the layout, shapes and memory, not outputs, "
             "kernels or timings", extra=(("metrics", "enable_tensorboard"), ("metrics", "enable_wandb")),
         )
+        if job_config.checkpoint.initial_load_path:
+            logger.info(
+                f"{self.label}: checkpoint.initial_load_path is not loaded (fake tensors hold "
+                "no values)"
+            )
+            job_config.checkpoint.initial_load_path = None
 
     def init_process_group(self, job_config: JobConfig, device_type: str) -> None:
         init_fake_process_group(self.world_size, self.rank)
