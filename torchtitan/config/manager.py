@@ -21,6 +21,8 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torchtitan.config.legacy as legacy
 import torchtitan.config.registry as registry
@@ -74,7 +76,10 @@ class ConfigManager:
         want_help = any(a in ("-h", "--help") for a in argv)
         argv = [a for a in argv if a not in ("-h", "--help")]
         argv, manager = take_manager_flags(argv)
-        config_file = self._config_file(manager)
+        source = self._config_source(manager)
+        if callable(source):
+            return self._from_function(source, manager, argv, want_help)
+        config_file = source
 
         toml_data: dict = {}
         where = config_file or ""
@@ -102,7 +107,9 @@ class ConfigManager:
         return cfg
 
     @staticmethod
-    def _config_file(manager: dict[str, str]) -> str | None:
+    def _config_source(manager: dict[str, str]) -> str | Callable[[], Any] | None:
+        """The TOML path, or the Python config function, that ``--job.config_file`` /
+        ``--module --config`` name (None: defaults only)."""
         module, config = manager.get("module"), manager.get("config")
         if module is not None and config is None:
             raise ConfigError("--module needs --config NAME too (e.g. --config llama3_8b)")
@@ -110,7 +117,30 @@ class ConfigManager:
             return manager.get("config_file")
         if "config_file" in manager:
             raise ConfigError("give either --job.config_file or --module/--config, not both")
-        return str(registry.resolve_config(module, config))
+        source = registry.resolve_config_source(module, config)
+        return source if callable(source) else str(source)
+
+    def _from_function(
+        self, fn: Callable[[], Any], manager: dict[str, str], argv: list[str], want_help: bool
+    ) -> JobConfig:
+        """A Python config function's JobConfig, with the CLI flags applied on top."""
+        name = f"{manager['module']}.{manager['config']}"
+        try:
+            base = fn()
+        except Exception as exc:
+            raise ConfigError(f"config function {name}() failed: {exc}") from exc
+        if not isinstance(base, JobConfig):
+            raise ConfigError(
+                f"config function {name}() must return a JobConfig (or a subclass), got "
+                f"{type(base).__name__}"
+            )
+        cls = type(base)
+        if want_help:
+            print_help(cls, base, self.prog)
+        cfg = apply_ops(base, parse_flags(argv, leaf_fields(cls)))
+        validate(cfg)
+        self.config = cfg
+        return cfg
 
     @staticmethod
     def _config_class(argv: list[str], toml_data: dict) -> type:

@@ -13,9 +13,13 @@ This is the mapping behind ``--module llama3 --config llama3_8b`` and
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torchtitan.config.errors import ConfigError
 
@@ -76,10 +80,58 @@ def resolve_config(module: str | None, config: str, config_dir: Path | None = No
     if not path.is_file():
         names = ", ".join(available_configs(module, config_dir)) or "none found"
         where = f"module {module!r}" if module else "any module"
+        functions = (
+            f" and no function {config}() in " + " or ".join(config_function_modules(module))
+            if module else ""
+        )
         raise ConfigError(
-            f"unknown config {config!r} for {where}: no file {path}; available: {names}"
+            f"unknown config {config!r} for {where}: no file {path}{functions}; available: {names}"
         )
     return path
+
+
+def resolve_config_source(
+    module: str | None, config: str, config_dir: Path | None = None
+) -> Path | Callable[[], Any]:
+    """``--module/--config``: the bundled TOML file of that name (TOML is the primary format),
+    else a Python function returning a JobConfig (:func:`find_config_function`)."""
+    path = config_path(module, config, config_dir)
+    if path.is_file():
+        return path
+    fn = find_config_function(module, config)
+    if fn is not None:
+        return fn
+    return resolve_config(module, config, config_dir)  # raises, listing what exists
+
+
+def config_function_modules(module: str) -> list[str]:
+    """Where ``--module M --config F`` looks for a Python config function ``F``: the model
+    family's ``torchtitan.models.M.config_registry`` (upstream's layout), then ``M`` itself as
+    an importable module (e.g. ``my_project.configs``)."""
+    return [f"torchtitan.models.{module}.config_registry", module]
+
+
+def find_config_function(module: str | None, config: str) -> Callable[[], Any] | None:
+    """The function named ``config`` in one of :func:`config_function_modules`, or None.
+
+    A module that does not exist is skipped; one that fails to import raises ConfigError.
+    """
+    if module is None or not config.isidentifier():
+        return None
+    for name in config_function_modules(module):
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except (ImportError, ValueError):  # a parent package is missing
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except Exception as exc:  # the user's module: report, don't crash
+            raise ConfigError(f"--module {module}: importing {name} failed: {exc}") from exc
+        fn = getattr(mod, config, None)
+        if callable(fn):
+            return fn
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
