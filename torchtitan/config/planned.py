@@ -31,7 +31,6 @@ __all__ = [
 
 _FLOAT8 = "float8 training"
 _FT = "fault tolerance (torchft)"
-_MOE = "MoE / expert parallelism"
 
 PLANNED_FIELDS: dict[str, str] = {
     # model converters
@@ -51,8 +50,6 @@ PLANNED_FIELDS: dict[str, str] = {
     "fault_tolerance.group_size": _FT,
     "fault_tolerance.min_replica_size": _FT,
     "fault_tolerance.semi_sync_method": _FT,
-    # MoE
-    "debug.moe_force_load_balance": _MOE,
     # activation checkpointing
     "activation_checkpoint.memory_budget": "the memory_budget activation checkpointing mode",
     "activation_checkpoint.visualize_memory_budget_pareto": (

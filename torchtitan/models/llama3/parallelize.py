@@ -6,6 +6,8 @@ Everything here works on a ``meta``-device model; the trainer then calls
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
@@ -19,12 +21,16 @@ from torchtitan.tools.logging import logger
 
 
 def parallelize_llama(
-    model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    apply_tp_fn: Callable[..., nn.Module] = apply_tp,
 ) -> nn.Module:
     """Parallelize ``model`` in place per ``parallel_dims`` and ``job_config``; returns it.
 
     Order: tensor parallel (+ async TP), activation checkpointing, per-block compile, then
-    FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1.
+    FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1. Families with other
+    block layouts pass their own ``apply_tp_fn(model, tp_mesh, loss_parallel=...)``.
     """
     par = job_config.parallelism
     compile_model = model_compile_enabled(job_config.compile)
@@ -36,7 +42,7 @@ def parallelize_llama(
     # before any model surgery, so a bad async-TP config fails fast
     maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
     if parallel_dims.tp_enabled:
-        apply_tp(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
+        apply_tp_fn(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
 
     apply_ac(model, job_config.activation_checkpoint)
 
