@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         opts = [*opts, "--log-dir", log_dir]
     else:
         log_dir = _option(opts, "log_dir", "log-dir") or ""
+    if _option(opts, "signals_to_handle", "signals-to-handle") is None:
+        # SIGTERM (preemption) goes to the ranks, which save and exit 0; torchrun would instead
+        # SIGKILL them after its shutdown timeout and exit 1 (torchtitan/tools/lifecycle.py).
+        from torchtitan.tools.lifecycle import forward_sigterm_to_ranks
+
+        if forward_sigterm_to_ranks():
+            opts = [*opts, "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
     args = get_args_parser().parse_args([*opts, *entry])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
     try:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import math
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
+from torchtitan.tools.lifecycle import Preempted, Preemption, die_with_launcher
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
@@ -87,7 +86,7 @@ class Trainer(Stateful):
             tokenizer=run.tokenizer,
         )
         self.validator = build_validator(run) if cfg.validation.enable else None
-        self._stop_requested = False
+        self.preemption = Preemption()
         self.gc_freq = 1 if cfg.training.gc_debug else cfg.training.gc_freq
         gc.disable()
         t = cfg.training
@@ -124,8 +123,9 @@ class Trainer(Stateful):
         weights stay those of the previous step.
         """
         self.optimizers.zero_grad()
-        microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
-        loss, grad_norm = compute_gradients(self.run, microbatches)
+        with self.preemption.abortable():  # one process: SIGTERM aborts the step here
+            microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+            loss, grad_norm = compute_gradients(self.run, microbatches)
         if self.comm_mode.computes_values and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(
                 f"loss became {loss} (grad norm {grad_norm}) at step {self.step}; the "
@@ -164,12 +164,17 @@ class Trainer(Stateful):
             flight_recorder.CollectiveWatchdog(cfg.comm, dump_folder) as watchdog,
         ):
             while self.step < cfg.training.steps:
+                before = self._pre_step_state()
                 self.step += 1
                 watchdog.set_step(self.step)
                 if self.step % self.gc_freq == 0:
                     gc.collect(1)
                 lr = self.lr_schedulers.get_last_lr()
-                loss, grad_norm = self.train_step(data_iterator)
+                try:
+                    loss, grad_norm = self.train_step(data_iterator)
+                except Preempted:
+                    self._stop_mid_step(before)
+                    return
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
                     tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
@@ -185,26 +190,41 @@ class Trainer(Stateful):
                 if memory_profiler is not None:
                     memory_profiler.step()
                 if stop:
-                    logger.warning(f"Stopping after step {self.step} on SIGTERM (checkpoint written)")
+                    saved = "checkpoint written" if self.checkpointer.has_step(self.step) else "no checkpoint"
+                    logger.warning(
+                        f"Stopping after step {self.step} on SIGTERM ({saved}{self.preemption.waited()})"
+                    )
                     return
         logger.info("Training completed")
 
     def _install_preemption_handler(self) -> None:
-        def handler(signum, frame):  # noqa: ARG001
-            self._stop_requested = True
-
-        with contextlib.suppress(ValueError):  # not the main thread
-            signal.signal(signal.SIGTERM, handler)
+        self.preemption.install()
 
     def _preemption_agreed(self) -> bool:
         """True on every rank once any rank received SIGTERM."""
-        if not dist.is_initialized():
-            return self._stop_requested
-        flag = torch.tensor([float(self._stop_requested)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.preemption.agreed(self.device)
+
+    def _pre_step_state(self) -> dict[str, Any] | None:
+        """What a save after an aborted step records (one process with checkpointing only)."""
+        if not self.preemption.can_abort or not self.checkpointer.enable:
+            return None
+        return {"dataloader": self.dataloader.state_dict(), "train_state": self.state_dict()}
+
+    def _stop_mid_step(self, before: dict[str, Any] | None) -> None:
+        """SIGTERM aborted step ``self.step``: save the last completed step as it was."""
+        self.step -= 1
+        done = self.step
+        if before is None or done == 0 or self.checkpointer.has_step(done):
+            what = "nothing new to save" if before is not None else "checkpointing is off"
+        else:
+            self.checkpointer.save(done, force=True, overrides=before)
+            what = f"saved step-{done}, the last completed step"
+        logger.warning(
+            f"Stopping mid-step {done + 1} on SIGTERM ({what}{self.preemption.waited()})"
+        )
 
     def close(self) -> None:
+        self.preemption.uninstall()
         self.checkpointer.close()
         self.metrics.close()
         self.comm_mode.close()
@@ -247,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     init_logger()
     known_warnings.install()
+    die_with_launcher()
     from torchtitan.config.manager import parse_args_or_exit
 
     job_config = parse_args_or_exit(argv)

@@ -103,7 +103,8 @@ def _popen(dump: Path, *flags: str, env: dict | None = None) -> subprocess.Popen
 
 def _dirs(dump: Path) -> list[str]:
     folder = dump / "checkpoint"
-    return sorted(os.listdir(folder), key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
+    names = [n for n in os.listdir(folder) if not n.startswith(".")]  # not the writer lock
+    return sorted(names, key=lambda n: (int(n.split("-")[1].split(".")[0]), n))
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,9 @@ def test_initial_load_path_without_enable_loads_it(tmp_path, titan_log):
     seed_path = tmp_path / "seed" / "checkpoint" / "step-0"
     # the run's own folder holds another checkpoint: without checkpoint.enable it is not resumed
     other = nn.Linear(4, 3)
-    _manager(other, tmp_path / "run", enable=True).save(5, force=True)
+    writer = _manager(other, tmp_path / "run", enable=True)
+    writer.save(5, force=True)
+    writer.close()  # releases the folder's writer lock
 
     model = nn.Linear(4, 3)
     manager = _manager(model, tmp_path / "run", initial_load_path=str(seed_path))

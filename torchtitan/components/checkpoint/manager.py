@@ -34,6 +34,7 @@ from torchtitan.components.checkpoint.common import (
 from torchtitan.components.checkpoint.guard import SaveGuard
 from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
 from torchtitan.components.checkpoint.load import LoadPlan, load_dcp, plan_load, refuse_fresh_start
+from torchtitan.components.checkpoint.lock import FolderLock
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
@@ -134,8 +135,10 @@ class CheckpointManager:
             )
         if self.enable:
             self._log_setup()
+        self.lock = FolderLock(self.folder)
         if self.enable and not cfg.load_only:
             space.check_writable(self.folder)
+            self.lock.acquire()  # one writer per folder (lock.py)
             space.warn_if_short(self.folder, space.checkpoint_bytes(self.model))
 
     # --- configuration ---------------------------------------------------------------------
@@ -200,11 +203,15 @@ class CheckpointManager:
             sd = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in sd.items()}
         return sd
 
-    def _full_state(self) -> dict[str, Any]:
+    def _full_state(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         sd = self._model_state()
         for name, obj in self.states.items():
-            sd[name] = obj.state_dict()
+            sd[name] = overrides[name] if overrides and name in overrides else obj.state_dict()
         return sd
+
+    def has_step(self, step: int) -> bool:
+        """Whether a complete ``step-N`` of ``step`` is in the folder."""
+        return any(e.step == step for e in fs.complete_checkpoints(self.folder))
 
     def newest_safe(self, at_most: int | None = None) -> fs.CheckpointEntry | None:
         """The newest complete checkpoint of the folder (``step <= at_most``); every save went
@@ -229,8 +236,15 @@ class CheckpointManager:
             f"{entry.step} (with a lower --optimizer.lr add --optimizer.override_checkpoint_lr)"
         )
 
-    def save(self, curr_step: int, last_step: bool = False, force: bool = False) -> None:
+    def save(
+        self,
+        curr_step: int,
+        last_step: bool = False,
+        force: bool = False,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
         """Save after step ``curr_step`` when due (interval, first step, last step) or ``force``.
+        ``overrides``: state dicts to record instead of the live ones (by state name).
 
         Skipped, with a warning, when the weights are non-finite or exploded (guard.py)."""
         if not self._should_save(curr_step, last_step, force):
@@ -252,7 +266,7 @@ class CheckpointManager:
                 if name in self.states:
                     sd[name] = self.states[name].state_dict()
         else:
-            sd = self._full_state()
+            sd = self._full_state(overrides)
         states = sorted(k for k in sd if k in self.states)
         info = {"step": curr_step, "model_only": model_only, "states": states}
         info.update(hf.model_info(self.sd_adapter))  # the architecture, for HF export checks
@@ -386,5 +400,8 @@ class CheckpointManager:
 
     # --- shutdown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish and commit an in-flight async save, and wait for purging to end."""
-        self.saver.close()
+        """Finish and commit an in-flight async save, wait for purging to end, release the lock."""
+        try:
+            self.saver.close()
+        finally:
+            self.lock.release()

@@ -1,0 +1,161 @@
+"""How a rank ends: preemption (SIGTERM) and the death of its launcher.
+
+**Preemption.** SIGTERM sets a flag; the ranks agree on it at the end of every step (an
+all-reduce), save that step and exit 0. A single process (no process group) does not wait for
+the step to end: the signal aborts the step in progress at the next Python-level operation of
+its forward/backward, and the last *completed* step is saved with the data position and RNG
+state taken before the aborted step began, so the resumed run is bitwise the same. (Several
+ranks cannot abort a step safely: a rank would leave its peers inside a collective.)
+
+**Launcher death.** Under torchrun a rank asks the kernel to SIGKILL it when its parent (the
+torchrun agent) dies (``prctl(PR_SET_PDEATHSIG)``, Linux), and checks that the parent is still
+there, so a ``kill -9`` of the launcher never leaves ranks training and writing checkpoints.
+Elsewhere a thread polls the parent pid and exits the process when it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.tools.logging import logger
+
+PR_SET_PDEATHSIG = 1
+
+
+class Preempted(BaseException):
+    """Raised by the SIGTERM handler inside an abortable section (single process only);
+    a BaseException so that no ``except Exception`` on the way swallows it."""
+
+
+class Preemption:
+    """The SIGTERM flag, the abortable section of a step and the ranks' agreement."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.received_at: float | None = None
+        self._abortable = False
+        self._previous: object = None
+        self.can_abort = not (dist.is_initialized() and dist.get_world_size() > 1)
+
+    def install(self) -> None:
+        def handler(signum, frame):  # noqa: ARG001
+            if not self.requested:
+                self.received_at = time.monotonic()
+            self.requested = True
+            if self._abortable and self.can_abort:
+                self._abortable = False
+                raise Preempted()
+
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous = signal.signal(signal.SIGTERM, handler)
+
+    def uninstall(self) -> None:
+        """Put back the SIGTERM handler that was there before ``install``."""
+        if self._previous is not None:
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    @contextlib.contextmanager
+    def abortable(self) -> Iterator[None]:
+        """A section that SIGTERM may abort (forward/backward: nothing is updated yet)."""
+        if self.requested and self.can_abort:
+            raise Preempted()
+        self._abortable = True
+        try:
+            yield
+        finally:
+            self._abortable = False
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank once any rank received SIGTERM."""
+        if not dist.is_initialized():
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def waited(self) -> str:
+        if self.received_at is None:
+            return ""
+        return f" {time.monotonic() - self.received_at:.1f} s after the signal"
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, end this rank when the launcher (its parent) dies."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int, poll_s: float = 1.0) -> None:
+    while True:
+        time.sleep(poll_s)
+        if os.getppid() != parent:
+            _orphaned(parent)
+
+
+def _orphaned(parent: int) -> None:
+    logger.error(f"the launcher (pid {parent}) is gone; stopping this rank")
+    for handler in logger.handlers:
+        handler.flush()
+    os._exit(1)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    kids = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2 :].split()
+            if len(fields) > 1 and int(fields[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def forward_sigterm_to_ranks() -> bool:
+    """In the launcher: on SIGTERM, send SIGTERM to its children (the ranks) and keep waiting
+    for them instead of tearing them down after torchrun's fixed grace period. The ranks save
+    and exit 0, so the launcher exits 0. False when children cannot be listed (no /proc)."""
+    if not os.path.isdir("/proc/self"):
+        return False
+
+    def handler(signum, frame):  # noqa: ARG001
+        ranks = _children(os.getpid())
+        print(
+            f"torchtitan.launch: SIGTERM: asking {len(ranks)} rank(s) to save a checkpoint and stop",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    return True
