@@ -75,6 +75,10 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
         n_layers=model_args.n_layers,
         seq_len=cfg.training.seq_len,
     )
+    if parallel_dims.cp_enabled:
+        from torchtitan.build import check_context_parallel
+
+        check_context_parallel(cfg, model_args, parallel_dims.cp)
     if parallel_dims.pp_enabled:
         _check_pipeline(cfg, parallel_dims, spec, model_args)
     return model_args

@@ -156,3 +156,12 @@ def test_record_error_writes_torchruns_error_file(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["message"] == "bad thing" and data[TRAINER_MARK]["exitcode"] == 2
 
+
+
+def test_context_parallel_rules_are_the_builds():
+    cfg = cfg_of("--parallelism.context_parallel_degree", "2", "--validation.enable",
+                 "--validation.seq_len", "256")
+    with pytest.raises(ValueError, match="validation.seq_len=256 must equal training.seq_len=512"):
+        check_run(cfg, 2, on_this_machine=False)
+    assert check_run(cfg_of("--parallelism.context_parallel_degree", "2"), 2,
+                     on_this_machine=False).cp == 2
