@@ -141,3 +141,12 @@ def test_aux_loss_adds_gradient_but_not_output():
     plain(x).pow(2).sum().backward()
     aux(x).pow(2).sum().backward()
     assert not torch.equal(plain.router.gate.weight.grad, aux.router.gate.weight.grad)
+
+
+def test_compiled_float32_moe_equals_eager():
+    """torch.compile traces grouped GEMM with its meta kernel, which accepts bf16 only: float32
+    MoE layers fall back to the per-expert loop while compiling instead of failing."""
+    moe = _moe(num_shared_experts=1)
+    x = torch.randn(2, 5, 16)
+    compiled = torch.compile(moe, backend="eager")
+    torch.testing.assert_close(compiled(x), moe(x), rtol=1e-5, atol=1e-6)

@@ -172,6 +172,8 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    if x.dtype == torch.float32 and torch.compiler.is_compiling():
+        return False  # grouped GEMM's meta kernel (used by torch.compile) accepts bf16 only
     return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16)
 
 
