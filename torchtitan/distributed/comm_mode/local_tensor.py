@@ -275,7 +275,7 @@ class LocalTensorSim(CommMode):
         """checkpoint.initial_load_path's weights into every simulated rank's shards."""
         if self._initial_load is None:
             return False
-        load_initial_weights(self._initial_load, model_parts, self.name)
+        load_initial_weights(self._initial_load, model_parts, self.name, params_as_stored)
         return True
 
     def close(self) -> None:

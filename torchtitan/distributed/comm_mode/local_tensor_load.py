@@ -10,8 +10,9 @@ compared from the same weights (``scripts/loss_compare.py --seed-checkpoint``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -60,9 +61,15 @@ def stored_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
         yield checkpoint_fqn(name), param
 
 
-def load_initial_weights(cfg: Checkpoint, model_parts: list[nn.Module], mode: str) -> str:
-    """Copy the model weights of ``cfg.initial_load_path`` into every simulated rank's shards;
-    returns the checkpoint folder loaded. CheckpointError (one line) on a mismatch."""
+def load_initial_weights(
+    cfg: Checkpoint,
+    model_parts: list[nn.Module],
+    mode: str,
+    params_as_stored: Callable[[], contextlib.AbstractContextManager],
+) -> str:
+    """Copy the model weights of ``cfg.initial_load_path`` into every simulated rank's shards
+    (``params_as_stored()``: parameters read as their stored shards, not gathered); returns
+    the checkpoint folder loaded. CheckpointError (one line) on a mismatch."""
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -72,8 +79,6 @@ def load_initial_weights(cfg: Checkpoint, model_parts: list[nn.Module], mode: st
         load_dcp_model_tensors,
         tensor_shapes,
     )
-    from torchtitan.distributed.comm_mode.local_tensor import params_as_stored
-
     with maybe_disable_local_tensor_mode():
         plan = decide_initial_load(cfg)
         assert plan is not None  # take_initial_load returned settings with a path
