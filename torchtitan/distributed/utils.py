@@ -233,5 +233,11 @@ def clip_grad_norm_(
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        # One call per mesh: foreach kernels cannot mix DTensors of different meshes and plain
+        # tensors (e.g. TP-sharded attention next to MoE layers that TP leaves whole).
+        by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
+        for p in params:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total

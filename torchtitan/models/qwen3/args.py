@@ -123,13 +123,8 @@ class Qwen3ModelArgs:
         ``debug.moe_force_load_balance`` and, for debug flavors, the vocab size from the
         tokenizer. Mutates ``self``: copy the registry's flavor first."""
         self.max_seq_len = job_config.training.seq_len
-        force = job_config.debug.moe_force_load_balance
-        if self.moe_args is not None:
-            self.moe_args.force_load_balance = force
-        elif force:
-            logger.warning(
-                "debug.moe_force_load_balance has no effect: this Qwen3 flavor has no experts"
-            )
+        if self.moe_args is not None:  # dense flavors: build_run warns that it does nothing
+            self.moe_args.force_load_balance = job_config.debug.moe_force_load_balance
         self.validate()
         if tokenizer is None:
             return

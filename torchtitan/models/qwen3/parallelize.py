@@ -59,7 +59,7 @@ def qwen3_block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
             use_local_input=True,
             output_layouts=(Replicate(),),
             desired_output_layouts=(Shard(1),),
-            use_local_output=False,
+            use_local_output=True,  # the residual stream between blocks is local shards
         )
     else:
         plan.update({
