@@ -10,6 +10,11 @@ Dumps taken by hand on gloo (``torch._C._distributed_c10d._dump_fr_trace()``) ca
 ``pg_config`` keyed ``''`` in torch 2.13, on which the analyser fails with ``KeyError: ('0', 0)``;
 this wrapper copies the dumps to a temporary folder with ``pg_config`` rebuilt from the entries
 and runs the analyser there. Exit status is the analyser's.
+
+A rank that stalled hard (SIGSTOP, stuck in native code, killed) leaves no dump, and torch's
+analyser then stops with "Missing dump files from ranks {...}". This wrapper names such ranks
+as the suspects (with what every other rank last called) and runs the analyser on the dumps
+that exist (``--allow-incomplete-ranks``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,38 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.tools.flight_recorder import fix_pg_config  # noqa: E402
+from torchtitan.tools.flight_recorder import fix_pg_config, last_collectives  # noqa: E402
+
+
+def _ranks_in(trace: dict) -> set[int]:
+    """Every global rank named by a dump's process groups."""
+    ranks: set[int] = set()
+    for cfg in (trace.get("pg_config") or {}).values():
+        text = str(cfg.get("ranks", "")).strip("[] ")
+        ranks.update(int(r) for r in text.split(",") if r.strip().isdigit())
+    return ranks
+
+
+def report_missing(traces: dict[int, dict]) -> set[int]:
+    """Print the ranks that left no dump as the suspects; returns them."""
+    expected: set[int] = set()
+    for trace in traces.values():
+        expected |= _ranks_in(trace)
+    missing = expected - set(traces)
+    if not missing:
+        return missing
+    names = ", ".join(map(str, sorted(missing)))
+    print(
+        f"suspect: rank(s) {names} left no Flight Recorder dump: a rank that stalls hard "
+        "(stopped, stuck in native code or killed) cannot write one, so it is the likely "
+        "culprit; the others waited for it:"
+    )
+    for rank, trace in sorted(traces.items()):
+        newest = max(last_collectives(trace).items(), key=lambda kv: kv[1]["record_id"], default=None)
+        if newest is not None:
+            pg, c = newest
+            print(f"  rank {rank}: last called {c['op']} #{c['seq']} on process group {pg} '{c['desc']}'")
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         repaired = 0
+        traces: dict[int, dict] = {}
         for path in files:
             with open(path, "rb") as f:
                 trace = pickle.load(f)
+            suffix = path.name[len(args.prefix):]
+            if suffix.isdigit():
+                traces[int(suffix)] = trace
             if "" in trace.get("pg_config", {}):
                 fix_pg_config(trace)
                 repaired += 1
@@ -49,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 pickle.dump(trace, f)
         if repaired:
             print(f"repaired pg_config of {repaired} gloo dump(s)", file=sys.stderr)
+        incomplete = ["--allow-incomplete-ranks"] if report_missing(traces) else []
         cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", tmp,
-               "-p", args.prefix, *rest]
+               "-p", args.prefix, *incomplete, *rest]
         return subprocess.call(cmd)
 
 

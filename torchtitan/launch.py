@@ -191,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if forward_sigterm_to_ranks():
             opts = [*opts, "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    if _option(opts, "shutdown_timeout", "shutdown-timeout") is None:
+        # Now used only to tear down the other ranks after one failed (they are stuck in a
+        # collective or stopped): 5 s instead of torchrun's 30 s.
+        opts = [*opts, "--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")]
+    from torchtitan.tools.lifecycle import honour_shutdown_timeout_on_failure
+
+    honour_shutdown_timeout_on_failure(int(_option(opts, "shutdown_timeout", "shutdown-timeout") or 30))
     args = get_args_parser().parse_args([*opts, *entry])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
     try:

@@ -210,7 +210,7 @@ class CollectiveWatchdog:
         dump_folder: str,
         *,
         poll_seconds: float = 1.0,
-        peer_wait_seconds: float = 10.0,
+        peer_wait_seconds: float = 5.0,
         exit_fn: Callable[[int], None] | None = None,
     ) -> None:
         self.comm = comm

@@ -159,3 +159,29 @@ def forward_sigterm_to_ranks() -> bool:
 
     signal.signal(signal.SIGTERM, handler)
     return True
+
+
+def honour_shutdown_timeout_on_failure(timeout: int) -> None:
+    """torchrun (torch 2.13) tears the other ranks down after a rank failed with a fixed 30 s
+    grace, ignoring ``--shutdown-timeout`` (``PContext.close``'s default, and the agent's
+    ``_stop_workers``); a rank that is stopped or hung then delays the end of the job by 30 s.
+    Make those paths use ``timeout`` too."""
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    if getattr(PContext, "_titan_timeout", None) is not None:
+        PContext._titan_timeout = timeout
+        return
+    original_close = PContext.close
+
+    def close(self, death_sig=None, timeout=None):  # noqa: ANN001 - torchrun's signature
+        return original_close(self, death_sig, PContext._titan_timeout if timeout is None else timeout)
+
+    def _stop_workers(self, worker_group) -> None:  # noqa: ARG001 - torchrun's signature
+        self._shutdown(timeout=PContext._titan_timeout)
+
+    PContext._titan_timeout = timeout
+    PContext.close = close
+    LocalElasticAgent._stop_workers = _stop_workers
