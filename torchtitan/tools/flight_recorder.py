@@ -280,12 +280,15 @@ class CollectiveWatchdog:
         peers = self._collect_peer_states()
         message = self._explain(err, mine, newest, peers)
         where = os.path.dirname(path) if path else None
-        logger.error(
-            message
-            + (f". Flight Recorder traces: {where}/ (analyse: python -m "
-               f"torch.distributed.flight_recorder.fr_trace {where} -p "
-               f"{self.comm.save_traces_file_prefix})" if where else "")
+        message += (
+            f". Flight Recorder traces: {where}/ (analyse: python scripts/analyze_flight_recorder.py "
+            f"{where} -p {self.comm.save_traces_file_prefix})" if where else ""
         )
+        logger.error(message)
+        # The launcher prints it when this rank's output is not on the console (LOG_RANK).
+        from torchtitan.launch import record_error
+
+        record_error(message, EXIT_CODE)
         with contextlib.suppress(Exception):
             self._store.set(_STORE_PREFIX + "reported", str(self.rank))
         self._exit(EXIT_CODE)
