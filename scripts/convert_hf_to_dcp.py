@@ -1,4 +1,4 @@
-"""Convert Hugging Face safetensors (Llama, Qwen3, Qwen3-MoE) into a torchtitan DCP checkpoint.
+"""Convert Hugging Face safetensors (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3/V2) into a torchtitan DCP checkpoint.
 
     python scripts/convert_hf_to_dcp.py HF_DIR OUT_DIR
 
@@ -28,7 +28,13 @@ from torchtitan.models.llama3.state_dict_adapter import model_args_from_hf_confi
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF config.json model_type -> torchtitan model.name
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+HF_MODEL_TYPES = {
+    "llama": "llama3",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "deepseek_v2": "deepseek_v3",
+}
 
 
 def adapter_for(config: dict, model: str | None = None) -> object:
@@ -44,6 +50,8 @@ def adapter_for(config: dict, model: str | None = None) -> object:
     if spec.state_dict_adapter is None:
         raise ValueError(f"model {name!r} has no HF state-dict adapter")
     cls = spec.state_dict_adapter.resolve()
+    if hasattr(cls, "from_hf_config"):  # conversion depends on more than the model args
+        return cls.from_hf_config(config)
     # Adapters expose args_from_hf_config; the Llama one predates it (module function).
     args_from = getattr(cls, "args_from_hf_config", model_args_from_hf_config)
     return cls(args_from(config))
