@@ -42,6 +42,23 @@ def cpu_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def caplog(caplog):
+    """caplog that sees the ``torchtitan`` logger exactly once, whether or not an earlier
+    in-process test ran ``init_logger()`` (which turns propagation to the root logger off)."""
+    import logging
+
+    titan = logging.getLogger("torchtitan")
+    propagate = titan.propagate
+    titan.propagate = False
+    titan.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        titan.removeHandler(caplog.handler)
+        titan.propagate = propagate
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module: 2 shared cores oversubscribed by OpenMP spin."""

@@ -11,47 +11,22 @@ pre-flight check before it and one line after a failure. ``./run_train.sh`` runs
 3. **After a failure**, torchrun's ``ChildFailedError`` traceback is replaced by one
    ``error:`` line naming the root cause: the first rank that stopped on an error the trainer
    reported (it writes its one line to torchrun's per-rank error file, see
-   :func:`record_error`), else the first rank that failed. The line is printed only when the
+   :func:`torchtitan.tools.error_file.record_error`), else the first rank that failed. The line is printed only when the
    console has not shown it already (``--local-ranks-filter``, i.e. ``LOG_RANK``). The exit code
    is that rank's: 2 for a bad config or a missing file, 1 for a training error.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import tempfile
-import time
 from typing import Any
 
+from torchtitan.tools.error_file import TRAINER_MARK, record_error
+
 __all__ = ["TRAINER_MARK", "main", "record_error"]
-
-TRAINER_MARK = "torchtitan"
-"""Key of the trainer's own entry in a rank's error file (see :func:`record_error`)."""
-
-
-def record_error(message: str, exit_code: int) -> None:
-    """Write ``message`` (one line) to torchrun's error file for this rank, if there is one.
-
-    torchrun passes each rank ``TORCHELASTIC_ERROR_FILE``; its failure summary reads the file,
-    and :func:`main` prints the first such message when the console did not show it.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {
-        "message": message,
-        "timestamp": int(time.time()),
-        TRAINER_MARK: {"exitcode": exit_code, "time": time.time()},
-    }
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the rank's own log still has the line
 
 
 # --- the command line ---------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 ``check_run(cfg, world_size)`` runs the checks the ranks would run first, with the same
 functions, in one process and without building the model: planned-but-unbuilt settings, the
 parallel layout against the world size (:class:`ParallelDims`), batch arithmetic, the model
-flavor and its shape against the layout (``validate_for_model``), the pipeline plan, compile
-and device-only features (async TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
+flavor and its shape against the layout (``validate_for_model``), context parallel rules, the
+pipeline plan (on a ``meta`` model: shapes only), compile and device-only features (async
+TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
 one-line errors (``ConfigError``, ``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
 
 ``run_train.sh`` runs it through :mod:`torchtitan.launch` before torchrun starts, and
@@ -80,14 +81,17 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
 
         check_context_parallel(cfg, model_args, parallel_dims.cp)
     if parallel_dims.pp_enabled:
-        _check_pipeline(cfg, parallel_dims, spec, model_args)
+        import torch
+
+        with torch.device("meta"):  # shapes only: no memory, no init
+            model = spec.model_cls(model_args)
+        _check_pipeline(cfg, parallel_dims, spec, model_args, model)
     return model_args
 
 
-def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, model_args: Any) -> None:
+def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, model_args: Any,
+                    model: Any) -> None:
     """The pipeline plan for pp rank 0, cut from the model on ``meta`` (no memory, no data)."""
-    import torch
-
     from torchtitan.distributed.parallel_dims import ParallelismError
     from torchtitan.distributed.pipeline import (
         check_microbatches,
@@ -109,8 +113,6 @@ def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, mode
             "use a flavor without tied embeddings or parallelism.pipeline_parallel_degree=1"
         )
     p = cfg.parallelism
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
     layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
     n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)
     check_microbatches(layout, n_microbatches, p.pipeline_parallel_degree)
@@ -180,7 +182,7 @@ def summary(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
     d = parallel_dims
     dims = ", ".join(
         f"{name} {getattr(d, name)}"
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
         if getattr(d, name) > 1
     ) or "one rank"
     return (

@@ -21,11 +21,11 @@ from torchtitan.components.validate import build_validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import comm_mode_from_env
-from torchtitan.launch import record_error
 from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
+from torchtitan.tools.error_file import record_error
 from torchtitan.tools.lifecycle import Preempted, Preemption, die_with_launcher
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     A bad config or a missing file is one ``error:`` line and exit code 2; a training error
     (e.g. NaN loss) one line and 1. Either line also goes to torchrun's error file for this
-    rank (:func:`torchtitan.launch.record_error`), so the launcher names it whatever
+    rank (:func:`torchtitan.tools.error_file.record_error`), so the launcher names it whatever
     ``LOG_RANK`` shows. A rank whose collective broke because another rank stopped first says
     so in one line; the other rank's error is the root cause.
     """

@@ -37,7 +37,9 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
     ("flags", "needle"),
     [
         (["--activation_checkpoint.determinism_check", "strict"], "expected one of 'default'"),
-        (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"], "need an MoE model"),
+        (["--fault_tolerance.enable"], "fault_tolerance.enable=True is planned"),
+        (["--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2"],
+         "cannot split a model with tied input/output embeddings"),
         (["--parallelism.tensor_parallel_degree", "3", "--world_size", "8"], "world size 8"),
         (["--parallelism.tensor_parallel_degree", "32"], "must divide the model's n_heads=16"),
         (["--training.global_batch_size", "12"], "global_batch_size=12 must be a multiple"),

@@ -286,7 +286,7 @@ class CollectiveWatchdog:
         )
         logger.error(message)
         # The launcher prints it when this rank's output is not on the console (LOG_RANK).
-        from torchtitan.launch import record_error
+        from torchtitan.tools.error_file import record_error
 
         record_error(message, EXIT_CODE)
         with contextlib.suppress(Exception):
