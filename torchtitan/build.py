@@ -10,13 +10,18 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.converters import (
+    ModelConverters,
+    build_converters,
+    check_converters,
+)
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.config.job_config import JobConfig
@@ -64,6 +69,9 @@ class RunParts:
     compute_dtype: str
     """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
     loss_parallel: bool
+    converters: ModelConverters = field(default_factory=ModelConverters)
+    """``model.converters`` (float8, mx): applied before parallelizing; hooked after each
+    optimizer step."""
 
     @property
     def loss_mesh(self) -> DeviceMesh | None:
@@ -107,11 +115,7 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
             "parallelism.expert_parallel_degree / expert_tensor_parallel_degree > 1 need an MoE "
             f"model; {cfg.model.name} has no experts (MoE support is planned)"
         )
-    if cfg.model.converters:
-        raise ValueError(
-            f"model.converters={cfg.model.converters}: model converters (float8, mx) are planned "
-            "but not implemented yet; remove them (e.g. --model.converters '')"
-        )
+    check_converters(cfg)  # known names, consistent [float8] / [mx] settings
 
 
 def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
@@ -177,6 +181,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     parallel_dims = ParallelDims.from_config(cfg.parallelism, comm_mode.world_size)
     reject_planned_features(cfg, parallel_dims)  # not built: refused before any mode's rules
     comm_mode.prepare(cfg, parallel_dims)
+    converters = build_converters(cfg, parallel_dims, device.type)  # refuses what it cannot run
     comm_mode.init_process_group(cfg, device_type)
     world_mesh = parallel_dims.build_mesh(device.type)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -215,6 +220,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     with comm_mode.model_build():
         with torch.device("meta"):
             model = spec.model_cls(model_args)
+        converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
         pipeline = None
@@ -279,4 +285,5 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         compute_dtype=compute_dtype(cfg, parallel_dims),
         loss_parallel=parallel_dims.loss_parallel_enabled
         and not cfg.parallelism.disable_loss_parallel,
+        converters=converters,
     )

@@ -125,6 +125,9 @@ def _check_components(cfg: JobConfig, device_type: str) -> None:
     compiled = model_compile_enabled(cfg.compile)
     if cfg.parallelism.enable_async_tensor_parallel:
         check_async_tp(compiled, device_type)
+    from torchtitan.components.converters import check_converters
+
+    check_converters(cfg, device_type)  # float8 / mx: hardware or emulation
 
 
 def _check_files(cfg: JobConfig) -> None:

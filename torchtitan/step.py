@@ -110,7 +110,9 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
 
 def optimizer_step(run: RunParts) -> dict[str, float]:
     """Update the MoE load-balancing biases from this step's routing (token counts summed over
-    the data- and context-parallel ranks), apply the optimizers and advance the LR schedules.
+    the data- and context-parallel ranks), apply the optimizers, run the model converters'
+    post-optimizer hooks (float8 precomputes its FSDP all-gather scales) and advance the LR
+    schedules.
 
     Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers).
     """
@@ -124,5 +126,6 @@ def optimizer_step(run: RunParts) -> dict[str, float]:
     with run.comm_mode.step():
         figures = update_load_balance_bias(run.moe_layers, reduce_sum)
         run.optimizers.step()
+        run.converters.post_optimizer_hook(run.model_parts)  # e.g. float8 FSDP scales
     run.lr_schedulers.step()
     return {name: dist_utils.scalar_value(value) for name, value in figures.items()}

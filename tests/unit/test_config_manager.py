@@ -443,7 +443,7 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_tool_prints_toml_and_json(capsys, tmp_path):
     path = write(tmp_path, DEBUG_TOML)
-    no_float8 = ("--model.converters", "")  # planned: the tool refuses it, as the trainer does
+    no_float8 = ("--model.converters", "")  # float8 on CPU needs float8.emulate: the tool checks
     code, out, err = run_main(capsys, "--job.config_file", path, "--training.steps", "3", *no_float8)
     assert code == 0 and err == ""
     assert "[training]\n" in out and "steps = 3\n" in out

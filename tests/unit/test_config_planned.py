@@ -17,7 +17,7 @@ from torchtitan.config.planned import PLANNED_FIELDS, planned_settings
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((REPO / "train_configs").glob("*.toml"))
-USES_PLANNED = {"llama3_405b.toml"}  # float8 all-gather options (with model.converters)
+USES_PLANNED: set[str] = set()  # bundled configs that set a planned field
 ERA_2024_TOMLS = sorted((REPO / "tests" / "assets" / "legacy_2024_configs").glob("*.toml"))
 assert ERA_2024_TOMLS, "tests/assets/legacy_2024_configs/ holds the 2024-era TOML fixtures"
 FIELDS = leaf_fields(JobConfig)
@@ -58,22 +58,22 @@ def test_defaults_use_no_planned_feature():
 
 
 def test_one_clear_line_naming_key_value_and_feature():
-    cfg = parse("--float8.recipe_name", "rowwise")
+    cfg = parse("--fault_tolerance.replica_id", "3")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     assert str(info.value) == (
-        "float8.recipe_name='rowwise' is planned but not implemented yet (float8 training); "
-        "remove it or leave the default"
+        "fault_tolerance.replica_id=3 is planned but not implemented yet (fault tolerance "
+        "(torchft)); remove it or leave the default"
     )
 
 
 def test_several_planned_settings_are_named_in_the_same_line():
-    cfg = parse("--float8.emulate", "--optimizer.early_step_in_backward")
+    cfg = parse("--fault_tolerance.enable", "--optimizer.early_step_in_backward")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("float8.emulate=True is planned but not implemented yet")
+    assert message.startswith("fault_tolerance.enable=True is planned but not implemented yet")
     assert message.endswith("(also planned: optimizer.early_step_in_backward=True)")
 
 
@@ -116,33 +116,30 @@ def test_2024_era_tomls_pass_the_trainer_entry(path):
     assert cfg.model.converters == []
 
 
-def test_config_tool_refuses_a_config_with_planned_settings(capsys):
+def test_config_tool_refuses_a_config_with_planned_settings(capsys, tmp_path):
     """The tool checks like the trainer: a config the trainer refuses is not printed."""
-    code = main(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
+    path = tmp_path / "ft.toml"
+    path.write_text("[fault_tolerance]\nenable = true\nreplica_id = 2\n")
+    code = main(["--job.config_file", str(path)])
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
     assert out.err.splitlines() == [
-        "error: float8.enable_fsdp_float8_all_gather=True is planned but not implemented yet "
-        "(float8 training); remove it or leave the default (also planned: "
-        "float8.precompute_float8_dynamic_scale_for_fsdp=True)"
+        "error: fault_tolerance.enable=True is planned but not implemented yet "
+        "(fault tolerance (torchft)); remove it or leave the default (also planned: "
+        "fault_tolerance.replica_id=2)"
     ]
 
 
-def test_trainer_entry_refuses_the_405b_config_in_one_line(capsys):
-    with pytest.raises(SystemExit) as info:
-        parse_args_or_exit(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
-    assert info.value.code == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1
-    assert err[0].startswith("error: float8.enable_fsdp_float8_all_gather=True is planned")
+def test_trainer_entry_accepts_the_405b_config_now_that_float8_is_built():
+    cfg = parse_args_or_exit(["--job.config_file", str(REPO / "train_configs" / "llama3_405b.toml")])
+    assert cfg.model.converters == ["float8"] and cfg.float8.enable_fsdp_float8_all_gather
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--job.config_file", "train_configs/llama3_405b.toml"], "float8.enable_fsdp_float8"),
-        (["--float8.recipe_name", "rowwise"], "float8.recipe_name='rowwise' is planned"),
+        (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward=True is"),
         (["--fault_tolerance.enable"], "fault_tolerance.enable=True is planned"),
     ],
 )

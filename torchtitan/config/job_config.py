@@ -390,6 +390,18 @@ class Float8:
 
 
 @dataclass
+class MX:
+    recipe_name: str = "mxfp8_rceil"
+    """torchao MXFP8 recipe: mxfp8_rceil, mxfp8_rceil_wgrad_with_hp, mxfp8_emulated_rceil (any device; slow)."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear modules whose FQN contains one of these are not converted (comma separated)."""
+
+    moe_fqns_prototype: list[str] = field(default_factory=list)
+    """MoE modules converted to MXFP8 grouped GEMMs (prototype)."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = 300
     """Collective timeout during initialisation and the first step."""
@@ -501,6 +513,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    mx: MX = field(default_factory=MX)
     comm: Comm = field(default_factory=Comm)
     memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -204,7 +204,8 @@ RULES: tuple[Rule, ...] = (
     *_moved("quantize.linear.float8", _QUANTIZE_FLOAT8_KEYS, "float8"),
     Rule("quantize.grouped_mm.float8.fqns", "float8.moe_fqns_prototype"),
     _dropped("quantize.*", "this quantization setting is not supported in this build"),
-    _dropped("mx.*", "MX (mxfp8) training is not supported in this build"),
+    _dropped("mx.mxfp8_dim1_cast_kernel_choice", "torchao 0.18 picks the MXFP8 cast kernels"),
+    _dropped("mx.mxfp8_dim0_cast_kernel_choice", "torchao 0.18 picks the MXFP8 cast kernels"),
     # memory estimation / validation
     Rule("memory_estimation.enabled", "memory_estimation.enable"),
     Rule("validation.enabled", "validation.enable"),

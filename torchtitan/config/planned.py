@@ -10,8 +10,8 @@ silently ignored:
 * :data:`METADATA_FIELDS` describe the config itself; no training code acts on them by design.
 
 Not listed here because the trainer already refuses them with its own message when they are
-set: ``parallelism.expert_parallel_degree``, ``parallelism.expert_tensor_parallel_degree`` and
-``model.converters`` (``torchtitan/build.py``).
+set: ``parallelism.expert_parallel_degree`` and ``parallelism.expert_tensor_parallel_degree``
+(``torchtitan/build.py``).
 """
 
 from __future__ import annotations
@@ -29,19 +29,9 @@ __all__ = [
     "reject_planned_settings",
 ]
 
-_FLOAT8 = "float8 training"
 _FT = "fault tolerance (torchft)"
 
 PLANNED_FIELDS: dict[str, str] = {
-    # model converters
-    "model.print_after_conversion": "model converters",
-    # float8
-    "float8.enable_fsdp_float8_all_gather": _FLOAT8,
-    "float8.precompute_float8_dynamic_scale_for_fsdp": _FLOAT8,
-    "float8.recipe_name": _FLOAT8,
-    "float8.filter_fqns": _FLOAT8,
-    "float8.emulate": _FLOAT8,
-    "float8.moe_fqns_prototype": _FLOAT8,
     # fault tolerance
     "fault_tolerance.enable": _FT,
     "fault_tolerance.process_group": _FT,

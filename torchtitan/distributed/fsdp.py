@@ -142,6 +142,8 @@ def apply_fsdp(
         )
 
     fully_shard(model, reshard_after_forward=reshard, **config)
+    if dp_mesh.device_type == "cpu":
+        gather_float8_as_bytes(model)
 
     if gradient_divide_factor is not None:
         set_gradient_divide_factor(model, gradient_divide_factor)
@@ -152,6 +154,31 @@ def apply_fsdp(
         f"{', CPU offload' if cpu_offload else ''})"
     )
     return model
+
+
+def gather_float8_as_bytes(model: nn.Module) -> bool:
+    """gloo has no float8 dtypes: when ``model`` holds weights that FSDP all-gathers in float8
+    (torchao's float8 all-gather), make every FSDP unit send float8 buffers as bytes (the same
+    bits). Returns whether it did."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    float8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    class Float8AsBytesAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.dtype in float8:
+                output_tensor = output_tensor.view(torch.uint8)
+                input_tensor = input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    if not any(
+        hasattr(getattr(p, "_local_tensor", p), "fsdp_pre_all_gather") for p in model.parameters()
+    ):
+        return False
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(Float8AsBytesAllGather())
+    return True
 
 
 def set_gradient_divide_factor(model: nn.Module, factor: float) -> None:

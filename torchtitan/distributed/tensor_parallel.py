@@ -41,38 +41,77 @@ def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     }
 
 
-def block_tp_plan() -> dict[str, ParallelStyle]:
+def block_tp_plan(
+    block: nn.Module | None = None, float8_tensorwise: bool = False
+) -> dict[str, ParallelStyle]:
     """Plan for one transformer block (attention + SwiGLU FFN, sequence-parallel norms).
 
     ``freqs_cis`` (the attention's second input) is given as ``None``: it stays a plain tensor,
-    identical on every rank.
+    identical on every rank. With ``float8_tensorwise`` the ``Float8Linear`` layers of ``block``
+    get torchao's float8 styles (inputs cast to float8 before the all-gather); a module's
+    input is prepared in float8 only when all of its column-wise linears are float8.
     """
+    col, row, prep = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    f8_col, f8_row, f8_prep = col, row, prep
+    is_f8 = _float8_linears(block) if float8_tensorwise and block is not None else set()
+    if is_f8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        f8_col, f8_row, f8_prep = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+    def pick(name: str, plain: type, float8: type) -> type:
+        return float8 if name in is_f8 else plain
+
+    def prepare(*cols: str) -> type:
+        return f8_prep if is_f8 and all(c in is_f8 for c in cols) else prep
+
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
+        "attention": prepare("attention.wq", "attention.wk", "attention.wv")(
             input_layouts=(Shard(1), None),
             desired_input_layouts=(Replicate(), None),
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wq": pick("attention.wq", col, f8_col)(),
+        "attention.wk": pick("attention.wk", col, f8_col)(),
+        "attention.wv": pick("attention.wv", col, f8_col)(),
+        "attention.wo": pick("attention.wo", row, f8_row)(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
+        "feed_forward": prepare("feed_forward.w1", "feed_forward.w3")(
             input_layouts=(Shard(1),),
             desired_input_layouts=(Replicate(),),
         ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": pick("feed_forward.w1", col, f8_col)(),
+        "feed_forward.w2": pick("feed_forward.w2", row, f8_row)(output_layouts=Shard(1)),
+        "feed_forward.w3": pick("feed_forward.w3", col, f8_col)(),
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> nn.Module:
+def _float8_linears(module: nn.Module) -> set[str]:
+    """FQNs (within ``module``) of its torchao ``Float8Linear`` layers."""
+    names = {n for n, m in module.named_modules() if type(m).__name__ == "Float8Linear"}
+    if names:
+        from torchao.float8.float8_linear import Float8Linear
+
+        names = {n for n in names if isinstance(module.get_submodule(n), Float8Linear)}
+    return names
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool = True,
+    enable_float8_tensorwise_tp: bool = False,
+) -> nn.Module:
     """Apply the TP/SP plans to ``model`` (works on a meta-device model).
 
     Parts that are missing or None (pipeline stages) are skipped. Tied input/output
     embeddings stay tied: both plans shard the shared weight ``Shard(0)`` over the vocabulary.
+    ``enable_float8_tensorwise_tp`` (the float8 converter with tensorwise scaling) all-gathers
+    the blocks' activations in float8 (:func:`block_tp_plan`).
     """
     tied = _is_tied(model)
     plan = {
@@ -87,10 +126,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) 
         model.output.weight = model.tok_embeddings.weight
     layers = getattr(model, "layers", None)
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
-        parallelize_module(block, tp_mesh, block_tp_plan())
+        parallelize_module(block, tp_mesh, block_tp_plan(block, enable_float8_tensorwise_tp))
     logger.info(
         f"Applied tensor parallel (degree {tp_mesh.size()}, sequence parallel, "
-        f"loss parallel {'on' if loss_parallel else 'off'})"
+        f"loss parallel {'on' if loss_parallel else 'off'}"
+        f"{', float8 all-gather' if enable_float8_tensorwise_tp else ''})"
     )
     return model
 

@@ -34,6 +34,14 @@ KNOWN: dict[str, str] = {
         "torch notes that a DTensor on two mesh dims (e.g. the grad norm under FSDP x TP) is "
         "reduced one dim after the other: correct, slightly slower, done once per step"
     ),
+    r"Failed to load .*torchao.*\.so": (
+        "torchao could not load its CUDA kernel libraries (CUDA-built wheel on a machine "
+        "without that CUDA): the float8 / MX converters use torch ops and Triton, not these"
+    ),
+    r"is an Enum subclass and is now natively supported by torch.compile": (
+        "torchao 0.18 registers its enums with an older torch API that torch now deprecates; "
+        "harmless"
+    ),
 }
 """Message pattern (regex, searched) -> why it is harmless here."""
 
@@ -66,7 +74,8 @@ def install() -> None:
         return
     _installed = True
     warnings.showwarning = explaining(warnings.showwarning)
-    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_LogFilter())
+    for name in ("torch.distributed.tensor._redistribute", "torchao", "torch.utils._pytree"):
+        logging.getLogger(name).addFilter(_LogFilter())
 
 
 def explaining(show: Callable[..., None]) -> Callable[..., None]:

@@ -114,6 +114,12 @@ def prepare_dry_run(job_config: JobConfig, label: str, why: str,
             off.append(f"{section}.{key}")
     if off:
         logger.info(f"{label}: switched off {', '.join(off)} ({why})")
+    from torchtitan.components.converters import prepare_dry_run as converters_dry_run
+    from torchtitan.tools.device import device_type
+
+    changed = converters_dry_run(job_config, device_type)
+    if changed:
+        logger.info(f"{label}: {', '.join(changed)} (a dry run checks shapes, not kernels)")
     lr = job_config.lr_scheduler
     lr.warmup_steps = min(lr.warmup_steps, job_config.training.steps)
     return off

@@ -109,7 +109,10 @@ class TokenChoiceTopKRouter(nn.Module):
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * a.route_scale
-        counts = torch.bincount(selected.flatten(), minlength=a.num_experts)
+        # scatter_add, not bincount: a fixed output shape, so fake-tensor dry runs trace it
+        flat = selected.flatten()
+        counts = torch.zeros(a.num_experts, dtype=flat.dtype, device=flat.device)
+        counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         return weights, selected, counts, scores
 
 
@@ -177,13 +180,23 @@ def _grouped_mm_supported(x: torch.Tensor) -> bool:
     return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16)
 
 
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if a.dtype != torch.bfloat16 and is_fake(a):
+        # Fake-tensor dry runs (COMM_MODE=fake_backend): the meta kernel accepts bf16 only,
+        # and only the shapes matter there.
+        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).to(a.dtype)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 def _run_grouped(x, counts, w1, w2, w3) -> torch.Tensor:
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     x = x.to(w1.dtype)
-    gate = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    up = _ContiguousGrad.apply(torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets))
+    gate = _ContiguousGrad.apply(_gmm(x, w1.transpose(-2, -1), offsets))
+    up = _ContiguousGrad.apply(_gmm(x, w3.transpose(-2, -1), offsets))
     h = F.silu(gate) * up
-    return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets))
+    return _ContiguousGrad.apply(_gmm(h, w2.transpose(-2, -1), offsets))
 
 
 def _run_loop(x, counts, w1, w2, w3) -> torch.Tensor:

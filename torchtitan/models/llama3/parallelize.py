@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from torchtitan.components.float8 import float8_tensorwise_tp
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
@@ -42,7 +43,12 @@ def parallelize_llama(
     # before any model surgery, so a bad async-TP config fails fast
     maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
     if parallel_dims.tp_enabled:
-        apply_tp_fn(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
+        loss_parallel = not par.disable_loss_parallel
+        if apply_tp_fn is apply_tp:  # the float8 converter's flag: float8 all-gather in TP
+            float8_tp = float8_tensorwise_tp(job_config)
+            apply_tp(model, tp_mesh, loss_parallel, enable_float8_tensorwise_tp=float8_tp)
+        else:  # other families' plans: float8 layers all-gather in high precision
+            apply_tp_fn(model, tp_mesh, loss_parallel=loss_parallel)
 
     apply_ac(model, job_config.activation_checkpoint)
 
