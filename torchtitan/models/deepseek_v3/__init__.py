@@ -1,7 +1,7 @@
 """DeepSeek-V3 family (MLA + MoE): flavors and registry entry ``deepseek_v3``.
 
-Flavors: ``debugmodel`` (CPU-trainable, V3 routing: sigmoid + bias, groups, shared experts,
-YaRN), ``16B`` (DeepSeek-V2-Lite's shape, softmax routing), ``236B`` (DeepSeek-V2's shape) and
+Flavors: ``debugmodel`` (CPU-trainable: V3 features at small widths, q LoRA, sigmoid routing
+with bias, groups, shared experts, YaRN), ``16B`` (DeepSeek-V2-Lite's shape, softmax routing), ``236B`` (DeepSeek-V2's shape) and
 ``671B`` (DeepSeek-V3). See docs/models.md.
 """
 
@@ -22,7 +22,7 @@ deepseekv3_args: dict[str, DeepSeekV3ModelArgs] = {
         moe_inter_dim=256,
         n_layers=6,
         n_dense_layers=1,
-        n_heads=16,
+        n_heads=8,
         moe_args=MoEArgs(
             num_experts=8,
             num_shared_experts=2,
@@ -33,11 +33,11 @@ deepseekv3_args: dict[str, DeepSeekV3ModelArgs] = {
             num_expert_groups=4,
             num_limited_groups=2,
         ),
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
         rope_factor=40.0,
         original_seq_len=4096,
         mscale=0.70,

@@ -57,6 +57,9 @@ class Attention(nn.Module):
             self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=False)
+        self.k_pe_shared = nn.Identity()
+        """Marks the rope key that every head uses: tensor parallel sums its gradient over the
+        ranks (each holds some of the heads); an identity otherwise."""
 
     def init_weights(self, init_std: float) -> None:
         """Projections trunc-normal std 0.02, ``wo`` std ``init_std``; norms ones."""
@@ -77,7 +80,7 @@ class Attention(nn.Module):
         q = q.view(bs, seqlen, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = apply_rotary_emb(q_pe, k_pe.unsqueeze(2), freqs_cis)
+        q_pe, k_pe = apply_rotary_emb(q_pe, self.k_pe_shared(k_pe).unsqueeze(2), freqs_cis)
         q = torch.cat([q_nope, q_pe], dim=-1)
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)

@@ -2,8 +2,9 @@
 
 Tensor parallel (sequence parallel between blocks, as for Llama): MLA shards heads (``wq`` or
 ``wq_b`` and ``wkv_b`` column-wise, ``wo`` row-wise); the latent projections ``wq_a``/``wkv_a``
-and their norms run replicated on every TP rank (their gradients come out whole and equal on
-each rank, since the column-wise layers all-reduce their input gradients); dense FFNs shard as
+and their norms run replicated on every TP rank: their gradients come out whole and equal on
+each rank, since the column-wise layers all-reduce their input gradients and so does
+:class:`SumGradientOverTP` for the rope key ``k_pe`` that all heads share; dense FFNs shard as
 Llama's. MoE layers run replicated on the gathered sequence (no expert parallelism or expert TP
 yet: the experts are sharded by FSDP like any parameter).
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -37,6 +38,20 @@ from torchtitan.tools import device as device_tools
 from torchtitan.tools.logging import logger
 
 
+class SumGradientOverTP(ParallelStyle):
+    """Identity forward; backward all-reduces the input's gradient over the TP ranks (Megatron's
+    "copy to the tensor-parallel region"), for a plain tensor that every rank feeds into its own
+    heads: each rank's gradient is then only its heads' share."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]):
+            x = DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *inputs[1:])
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
+
+
 def block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     """TP plan of one DeepSeek-V3 block (MLA + dense FFN or MoE)."""
     attention = block.attention
@@ -49,6 +64,7 @@ def block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
             use_local_output=True,
         ),
         "attention.wkv_b": ColwiseParallel(),
+        "attention.k_pe_shared": SumGradientOverTP(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
     }
