@@ -97,11 +97,11 @@ def test_layout_init_and_forward():
     assert list(model.layers) == ["0", "1", "2"]
     assert hasattr(model.layers["0"], "feed_forward") and not hasattr(model.layers["0"], "moe")
     assert isinstance(model.layers["1"].moe, MoE) and not hasattr(model.layers["1"], "feed_forward")
-    assert model.freqs_cis.shape == (32, 32) and model.freqs_cis.is_complex()
+    assert model.freqs_cis.shape == (32, 8) and model.freqs_cis.is_complex()  # rope dim 16
     keys = set(model.state_dict())
     assert {"layers.1.moe.experts.w1", "layers.1.moe.router.gate.weight", "layers.1.moe.expert_bias",
             "layers.1.moe.shared_experts.w2.weight", "layers.0.attention.wkv_b.weight",
-            "layers.0.attention.wq.weight"} <= keys
+            "layers.0.attention.wq_a.weight", "layers.0.attention.q_norm.weight"} <= keys
     assert model.layers["1"].moe.experts.w1.shape == (8, 256, 256)
     assert model.layers["1"].moe.shared_experts.w1.weight.shape == (512, 256)  # 2 shared experts
     logits = model(torch.randint(0, 256, (2, 16)))
