@@ -107,10 +107,9 @@ def test_bias_update_evens_a_skewed_load():
     direction = moe.router.gate.weight[0].detach() + moe.router.gate.weight[1].detach()
     direction = direction / direction.norm() * 4
     imbalance = []
-    with torch.no_grad():
-        for _ in range(150):
-            moe((torch.randn(256, 16, generator=g) + direction)[None])
-            imbalance.append(float(update_load_balance_bias(moe_layers([moe]))["moe/max_load"]))
+    for _ in range(150):  # training forwards (grad enabled) count their tokens
+        moe((torch.randn(256, 16, generator=g) + direction)[None])
+        imbalance.append(float(update_load_balance_bias(moe_layers([moe]))["moe/max_load"]))
     assert imbalance[0] > 2.5  # max/mean load: 1.0 is perfect balance, 4.0 all on one expert
     assert sum(imbalance[-50:]) / 50 < 1.5
     assert moe.tokens_per_expert.sum() == 0  # counts reset after each update
@@ -120,10 +119,12 @@ def test_bias_update_evens_a_skewed_load():
 
 def test_counts_accumulate_over_microbatches_and_reduce_over_ranks():
     moe = _moe(num_experts=4, top_k=1)
-    with torch.no_grad():
-        moe(torch.randn(1, 8, 16))
-        moe(torch.randn(1, 8, 16))
+    moe(torch.randn(1, 8, 16))
+    moe(torch.randn(1, 8, 16))
     assert moe.tokens_per_expert.sum() == 16  # two microbatches
+    with torch.no_grad():  # validation forwards do not move the balance
+        moe(torch.randn(1, 8, 16))
+    assert moe.tokens_per_expert.sum() == 16
     seen = []
 
     def reduce_sum(t):  # stands in for an all-reduce over 2 data-parallel ranks

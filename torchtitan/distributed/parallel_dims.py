@@ -80,16 +80,23 @@ class ParallelDims:
                 "(NGPU / nproc_per_node x nodes); make the degrees multiply to the world size"
             )
         if self.ep > 1:
-            if (self.dp_shard * self.cp) % self.ep:
+            if self.dp_shard % self.ep:
                 raise ParallelismError(
                     f"parallelism.expert_parallel_degree={self.ep} must divide "
-                    f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard * self.cp}"
+                    f"data_parallel_shard_degree={self.dp_shard} (expert-parallel ranks are "
+                    "borrowed from the FSDP shard dimension)"
                 )
-            if self.etp not in (1, self.tp):
+            if self.dp_replicate > 1 or self.cp > 1:
                 raise ParallelismError(
-                    f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 or equal "
-                    f"to tensor_parallel_degree={self.tp}"
+                    "parallelism.expert_parallel_degree > 1 is not supported together with "
+                    "data_parallel_replicate_degree > 1 or context_parallel_degree > 1 yet; use "
+                    "FSDP (data_parallel_shard_degree), TP or PP with expert parallel"
                 )
+        if self.etp > 1:
+            raise ParallelismError(
+                f"parallelism.expert_tensor_parallel_degree={self.etp}: experts are not "
+                "tensor-parallel here (they are sharded by expert parallel and FSDP); set it to 1"
+            )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
         """Checks that need the model shape and sequence length."""
@@ -196,6 +203,15 @@ class ParallelDims:
                 self._meshes[flat_name] = mesh[present]._flatten(mesh_dim_name=flat_name)
             elif len(present) == 1:
                 self._meshes[flat_name] = mesh[present[0]]
+        if self.ep > 1:
+            # ep ranks come from dp_shard: (dp_shard_mod_ep, ep); experts are Shard(0) over ep
+            # and FSDP-sharded over dp_shard_mod_ep (both sliced from one mesh, as FSDP needs).
+            expert_mesh = mesh._unflatten(
+                names.index("dp_shard"), (self.dp_shard // self.ep, self.ep),
+                ("dp_shard_mod_ep", "ep"),
+            )
+            self._meshes["ep"] = expert_mesh["ep"]
+            self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh | None:

@@ -41,6 +41,26 @@ def pipeline_step(
     return torch.stack([local_value(loss.detach()) for loss in losses]).sum()
 
 
+def _probe_leaves_no_trace(stage: PipelineStage) -> None:
+    """torch's pipelining runs a stage's forward once on its first step to infer shapes; make
+    that probe restore the stage's buffers, so state updated in forward (e.g. MoE token
+    counts) only sees the real microbatches."""
+    probe = getattr(stage, "_forward_metadata_inference", None)
+    if probe is None:  # another torch version: nothing known to wrap
+        return
+
+    def restoring_probe(*args, **kwargs):
+        saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
+        try:
+            return probe(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+    stage._forward_metadata_inference = restoring_probe
+
+
 class Pipeline:
     """This pp rank's stages, their schedule, which end stages it holds, and the loss.
 
@@ -60,6 +80,8 @@ class Pipeline:
     ) -> None:
         self.layout = layout
         self.stages = list(stages)
+        for stage in self.stages:
+            _probe_leaves_no_trace(stage)
         self.model_parts: list[nn.Module] = [stage.submod for stage in self.stages]
         self.loss_fn = loss_fn
         self.pp_mesh = pp_mesh

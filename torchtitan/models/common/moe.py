@@ -281,8 +281,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         bias = self.expert_bias if self.uses_load_balance_bias else None
         weights, selected, counts, scores = self.router(tokens, bias)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        if torch.is_grad_enabled():  # training forwards only: not validation or shape probes
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # Sort the (token, choice) pairs by expert so each expert's tokens are contiguous.
         order = torch.argsort(selected.flatten(), stable=True)
         token_ids = order // self.args.top_k

@@ -1,0 +1,133 @@
+"""Expert parallelism: each rank of the ``ep`` mesh holds ``num_experts / ep`` experts.
+
+The ``ep`` ranks are borrowed from ``dp_shard``: the world mesh's ``dp_shard`` dim is unflattened
+into ``(dp_shard_mod_ep, ep)``. Dense parameters stay FSDP-sharded over all of ``dp_shard``;
+expert weights are ``Shard(0)`` (the expert dim) over ``ep`` and FSDP-sharded over the remaining
+``dp_shard_mod_ep`` ranks.
+
+Token dispatch (:class:`ExpertDispatch`, forward hooks on each MoE layer's ``experts``): the
+router runs on every rank for its own tokens; tokens sorted by expert are sent with an
+all-to-all to the ranks that own their experts (the per-expert counts are exchanged first, so
+splits may be uneven or zero), regrouped by local expert, run through the local experts with
+grouped GEMM, and sent back with the reverse all-to-all. Both all-to-alls carry autograd.
+
+Gradients: an expert's gradient already sums the tokens of the whole ``ep`` group (through the
+all-to-all's backward); FSDP over ``dp_shard_mod_ep`` averages over the rest, and
+:func:`expert_grad_scaler` divides by ``ep`` after backward, so experts get the same global-mean
+gradient as dense parameters. (FSDP's own ``gradient_divide_factor`` is not used for this: in
+torch 2.13 a one-rank FSDP mesh applies it twice.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.tools.logging import logger
+
+
+def _exclusive_cumsum(t: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(t, dim=0) - t
+
+
+class ExpertDispatch:
+    """All-to-all token dispatch around one ``GroupedExperts`` module (forward hooks)."""
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self._state: tuple[torch.Tensor, list[int], list[int]] | None = None
+
+    def dispatch(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward pre-hook: ``(tokens sorted by global expert, counts [E])`` -> ``(tokens of
+        this rank's experts sorted by local expert, counts [E / ep])``."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        tokens, counts = args
+        n_local = counts.numel() // self.ep
+        with torch.no_grad():
+            received_counts = torch.empty_like(counts)
+            dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
+        send_splits = counts.view(self.ep, n_local).sum(dim=1).tolist()
+        received = received_counts.view(self.ep, n_local)  # [source rank, local expert]
+        recv_splits = received.sum(dim=1).tolist()
+        routed = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
+        # Arrived grouped by source rank, each sorted by local expert: regroup by local expert.
+        starts = _exclusive_cumsum(received.flatten()).view(self.ep, n_local)
+        sizes_by_expert = received.t().flatten()
+        starts_by_expert = starts.t().flatten()
+        total = int(sizes_by_expert.sum())
+        base = torch.repeat_interleave(starts_by_expert, sizes_by_expert, output_size=total)
+        within = torch.arange(total, device=counts.device) - torch.repeat_interleave(
+            _exclusive_cumsum(sizes_by_expert), sizes_by_expert, output_size=total
+        )
+        order = base + within
+        self._state = (order, send_splits, recv_splits)
+        return routed[order], received.sum(dim=0)
+
+    def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Forward hook: undo the regrouping and send each output back to its token's rank."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        order, send_splits, recv_splits = self._state
+        self._state = None
+        restored = torch.empty_like(output).index_copy(0, order, output)
+        return all_to_all_single_autograd(restored, send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
+    """Shard every MoE layer's experts over the ``ep`` mesh and install token dispatch.
+
+    Works on a meta-device model; returns the number of MoE layers changed.
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchtitan.models.common.moe import moe_layers
+
+    ep_mesh = parallel_dims.get_mesh("ep")
+    layers = moe_layers([model])
+    if ep_mesh is None or not layers:
+        return 0
+    for layer in layers:
+        n_experts = layer.args.num_experts
+        if n_experts % ep_mesh.size():
+            raise ValueError(
+                f"parallelism.expert_parallel_degree={ep_mesh.size()} must divide the model's "
+                f"num_experts={n_experts}"
+            )
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        dispatch = ExpertDispatch(ep_mesh)
+        experts.register_forward_pre_hook(dispatch.dispatch)
+        experts.register_forward_hook(dispatch.combine)
+    logger.info(
+        f"Applied expert parallel to {len(layers)} MoE layer(s) (ep={ep_mesh.size()}: "
+        f"{layers[0].args.num_experts // ep_mesh.size()} experts per rank, all-to-all dispatch)"
+    )
+    return len(layers)
+
+
+def expert_fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The ``experts`` modules of every MoE layer (their own FSDP units under EP)."""
+    from torchtitan.models.common.moe import moe_layers
+
+    return [layer.experts for layer in moe_layers([model])]
+
+
+def expert_grad_scaler(model_parts: list[nn.Module], ep: int):
+    """``hook()``: divide the expert-parallel experts' gradients by ``ep`` (run after backward,
+    before clipping)."""
+    params = [p for part in model_parts for unit in expert_fsdp_units(part) for p in unit.parameters()]
+
+    @torch.no_grad()
+    def hook() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, float(ep))
+
+    return hook
