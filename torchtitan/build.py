@@ -29,6 +29,7 @@ from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.context_parallel import check_context_parallel_model
+from torchtitan.distributed.expert_parallel import expert_grad_scaler
 from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.distributed.pipeline import Pipeline
@@ -64,6 +65,8 @@ class RunParts:
     flops_per_token: float
     global_batch_size: int
     gradient_accumulation_steps: int
+    after_backward: list[Callable[[], None]]
+    """Run once the step's gradients are reduced, before clipping (e.g. expert-parallel scaling)."""
     moe_layers: list[MoE]
     """The mixture-of-experts layers of this rank's model parts (empty for dense models)."""
     compute_dtype: str
@@ -110,11 +113,6 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
     configs built in code.
     """
     reject_planned_settings(cfg)
-    if parallel_dims.ep_enabled or parallel_dims.etp > 1:
-        raise ParallelismError(
-            "parallelism.expert_parallel_degree / expert_tensor_parallel_degree > 1 need an MoE "
-            f"model; {cfg.model.name} has no experts (MoE support is planned)"
-        )
     check_converters(cfg)  # known names, consistent [float8] / [mx] settings
 
 
@@ -221,6 +219,12 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
+        if parallel_dims.ep_enabled and not moe_layers([model]):
+            raise ParallelismError(
+                f"parallelism.expert_parallel_degree={parallel_dims.ep} needs a mixture-of-"
+                f"experts model; {cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
+                "--model.name qwen3 --model.flavor debugmodel_moe)"
+            )
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
         pipeline = None
@@ -281,6 +285,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         flops_per_token=flops_per_token,
         global_batch_size=global_bs,
         gradient_accumulation_steps=grad_accum,
+        after_backward=(
+            [expert_grad_scaler(model_parts, parallel_dims.ep)] if parallel_dims.ep_enabled else []
+        ),
         moe_layers=layers,
         compute_dtype=compute_dtype(cfg, parallel_dims),
         loss_parallel=parallel_dims.loss_parallel_enabled

@@ -96,6 +96,8 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
         local_loss = torch.zeros((), device=run.device)
         for inputs, labels in microbatches:
             local_loss += forward_backward(run, inputs, labels, loss_scale)
+        for hook in run.after_backward:
+            hook()
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in run.model_parts for p in m.parameters()],
             run.job_config.training.max_norm,

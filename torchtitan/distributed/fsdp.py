@@ -105,6 +105,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward_policy: ReshardPolicy = "default",
     gradient_divide_factor: float | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (HSDP when ``dp_mesh`` is 2-D ``(replicate, shard)``).
 
@@ -129,6 +130,11 @@ def apply_fsdp(
 
     layers = _submodule(model, "layers")
     blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+    if expert_mesh is not None:  # expert parallel: experts are their own units on their mesh
+        from torchtitan.distributed.expert_parallel import expert_fsdp_units
+
+        for experts in expert_fsdp_units(model):
+            fully_shard(experts, reshard_after_forward=reshard, **{**config, "mesh": expert_mesh})
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard and not (keep_last and last), **config)
@@ -270,6 +276,7 @@ def apply_data_parallel(
             pp_enabled=parallel_dims.pp_enabled,
             cpu_offload=cpu_offload,
             reshard_after_forward_policy=reshard_after_forward_policy,
+            expert_mesh=parallel_dims.get_mesh("dp_shard_mod_ep"),
         )
     if parallel_dims.dp_replicate_enabled:
         if cpu_offload:

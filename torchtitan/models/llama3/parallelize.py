@@ -14,6 +14,7 @@ from torchtitan.components.float8 import float8_tensorwise_tp
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
+from torchtitan.distributed.expert_parallel import apply_expert_parallel
 from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp, maybe_enable_async_tp
@@ -29,7 +30,8 @@ def parallelize_llama(
 ) -> nn.Module:
     """Parallelize ``model`` in place per ``parallel_dims`` and ``job_config``; returns it.
 
-    Order: tensor parallel (+ async TP), activation checkpointing, per-block compile, then
+    Order: tensor parallel (+ async TP), expert parallel (MoE layers), activation
+    checkpointing, per-block compile, then
     FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1. Families with other
     block layouts pass their own ``apply_tp_fn(model, tp_mesh, loss_parallel=...)``.
     """
@@ -49,6 +51,8 @@ def parallelize_llama(
             apply_tp(model, tp_mesh, loss_parallel, enable_float8_tensorwise_tp=float8_tp)
         else:  # other families' plans: float8 layers all-gather in high precision
             apply_tp_fn(model, tp_mesh, loss_parallel=loss_parallel)
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model, parallel_dims)
 
     apply_ac(model, job_config.activation_checkpoint)
 
