@@ -145,7 +145,8 @@ def write_hf_folder(
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump(hf_assets.generation_config(tokenizer), f, indent=2)
         files.append("generation_config.json")
-        files += hf_assets.save_tokenizer_files(tokenizer, out, config["max_position_embeddings"])
+        max_len = config.get("max_position_embeddings", 2048)
+        files += hf_assets.save_tokenizer_files(tokenizer, out, max_len)
     return files
 
 
