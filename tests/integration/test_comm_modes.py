@@ -114,6 +114,7 @@ def _dims(**degrees) -> ParallelDims:
         ("fake_backend", dict(pp=2, world_size=8), "pipeline parallel"),
         ("local_tensor", dict(pp=2, world_size=8), "pipeline parallel"),
         ("local_tensor", dict(cp=2, world_size=8), "context parallel"),
+        ("fake_backend", dict(ep=2, world_size=8), "expert parallel yet"),
     ],
 )
 def test_refusals_name_the_parallelism(mode, degrees, refused):

@@ -105,6 +105,12 @@ class FakeBackend(CommMode):
                 "to point, which a fake process group cannot deliver): turn that off, or run it "
                 "for real with torchrun"
             )
+        if parallel_dims.ep_enabled:
+            raise ParallelismError(
+                f"{self.label} cannot run expert parallel yet (parallelism."
+                "expert_parallel_degree > 1): its token dispatch sizes the all-to-all from real "
+                "token counts, which fake tensors do not have; estimate with expert_parallel_degree 1"
+            )
         prepare_dry_run(
             job_config, self.label, "a dry run checks the layout, shapes and memory, not outputs, "
             "kernels or timings", extra=(("metrics", "enable_tensorboard"), ("metrics", "enable_wandb")),
