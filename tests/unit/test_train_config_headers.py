@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
+from torchtitan.components.tokenizer import hf_repo_for
 from torchtitan.config.manager import ConfigManager
 from torchtitan.preflight import check_run
 
@@ -50,7 +51,7 @@ def test_config_runs_as_shipped_or_says_what_it_needs(path, monkeypatch):
         return
     lines = header(path)
     folder = cfg.model.hf_assets_path
-    download = f"hf download meta-llama/{Path(folder).name} --include '*tokenizer*' --local-dir {folder}"
+    download = f"hf download {hf_repo_for(Path(folder).name)} --include '*tokenizer*' --local-dir {folder}"
     assert any(download in line for line in lines), lines
     assert any("CUDA GPUs" in line for line in lines), lines
     command = dry_run_command(lines)

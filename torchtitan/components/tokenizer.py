@@ -373,11 +373,22 @@ def _tokenizer_file(model_cfg: Model) -> Path:
     return _find_in_folder(folder, "model.hf_assets_path") if folder.is_dir() else folder
 
 
+HF_ORGS = {"Llama-": "meta-llama", "DeepSeek-": "deepseek-ai"}
+"""Folder-name prefix -> HF organisation, for the bundled configs' ``./assets/hf/<repo>``."""
+
+
+def hf_repo_for(folder_name: str) -> str:
+    """``org/name`` of the HF repo the bundled configs download into ``./assets/hf/<name>``
+    (``<org>/<model>`` for unknown names)."""
+    for prefix, org in HF_ORGS.items():
+        if folder_name.startswith(prefix):
+            return f"{org}/{folder_name}"
+    return "<org>/<model>"
+
+
 def download_hint(hf_assets_path: str) -> str:
-    """How to fetch the tokenizer into ``hf_assets_path`` (the HF repo is the folder's name
-    under ``meta-llama`` for the bundled configs' ``./assets/hf/Llama-*`` folders)."""
-    name = Path(hf_assets_path).name
-    repo = f"meta-llama/{name}" if name.startswith("Llama-") else "<org>/<model>"
+    """How to fetch the tokenizer into ``hf_assets_path`` (see :func:`hf_repo_for`)."""
+    repo = hf_repo_for(Path(hf_assets_path).name)
     return (
         f"download it with `hf download {repo} --include '*tokenizer*' --local-dir "
         f"{hf_assets_path}` (gated: accept the license on huggingface.co and run "
