@@ -116,6 +116,16 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
     check_converters(cfg)  # known names, consistent [float8] / [mx] settings
 
 
+def check_expert_parallel(cfg: JobConfig, parallel_dims: ParallelDims, model: Any) -> None:
+    """Expert parallel needs a model with experts (``model`` may be on ``meta``)."""
+    if parallel_dims.ep_enabled and not moe_layers([model]):
+        raise ParallelismError(
+            f"parallelism.expert_parallel_degree={parallel_dims.ep} needs a mixture-of-"
+            f"experts model; {cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
+            "--model.name qwen3 --model.flavor debugmodel_moe)"
+        )
+
+
 def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
     """What context parallel needs beyond the mesh rules: an attention kind ring attention
     can split, and validation batches as long as training ones (the RoPE table is sharded
@@ -219,12 +229,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
-        if parallel_dims.ep_enabled and not moe_layers([model]):
-            raise ParallelismError(
-                f"parallelism.expert_parallel_degree={parallel_dims.ep} needs a mixture-of-"
-                f"experts model; {cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
-                "--model.name qwen3 --model.flavor debugmodel_moe)"
-            )
+        check_expert_parallel(cfg, parallel_dims, model)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
         pipeline = None

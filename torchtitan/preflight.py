@@ -3,9 +3,9 @@
 ``check_run(cfg, world_size)`` runs the checks the ranks would run first, with the same
 functions, in one process and without building the model: planned-but-unbuilt settings, the
 parallel layout against the world size (:class:`ParallelDims`), batch arithmetic, the model
-flavor and its shape against the layout (``validate_for_model``), context parallel rules, the
-pipeline plan (on a ``meta`` model: shapes only), compile and device-only features (async
-TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
+flavor and its shape against the layout (``validate_for_model``), context and expert parallel
+rules, the pipeline plan (on a ``meta`` model: shapes only), compile and device-only features
+(async TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
 one-line errors (``ConfigError``, ``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
 
 ``run_train.sh`` runs it through :mod:`torchtitan.launch` before torchrun starts, and
@@ -80,12 +80,16 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
         from torchtitan.build import check_context_parallel
 
         check_context_parallel(cfg, model_args, parallel_dims.cp)
-    if parallel_dims.pp_enabled:
+    if parallel_dims.pp_enabled or parallel_dims.ep_enabled:
         import torch
+
+        from torchtitan.build import check_expert_parallel
 
         with torch.device("meta"):  # shapes only: no memory, no init
             model = spec.model_cls(model_args)
-        _check_pipeline(cfg, parallel_dims, spec, model_args, model)
+        check_expert_parallel(cfg, parallel_dims, model)
+        if parallel_dims.pp_enabled:
+            _check_pipeline(cfg, parallel_dims, spec, model_args, model)
     return model_args
 
 
