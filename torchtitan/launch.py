@@ -11,9 +11,10 @@ pre-flight check before it and one line after a failure. ``./run_train.sh`` runs
 3. **After a failure**, torchrun's ``ChildFailedError`` traceback is replaced by one
    ``error:`` line naming the root cause: the first rank that stopped on an error the trainer
    reported (it writes its one line to torchrun's per-rank error file, see
-   :func:`torchtitan.tools.error_file.record_error`), else the first rank that failed. The line is printed only when the
-   console has not shown it already (``--local-ranks-filter``, i.e. ``LOG_RANK``). The exit code
-   is that rank's: 2 for a bad config or a missing file, 1 for a training error.
+   :func:`torchtitan.tools.error_file.record_error`), else the first rank that failed. The
+   line is printed only when the console has not shown it already (``--local-ranks-filter``,
+   i.e. ``LOG_RANK``). The exit code is that rank's: 2 for a bad config or a missing file, 1
+   for a training error, 3 for a collective timeout, 128+N for a rank killed by signal N.
 """
 
 from __future__ import annotations
