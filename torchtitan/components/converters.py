@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchtitan.config.errors import ConfigError, suggest
@@ -150,6 +151,7 @@ class ModelConverters:
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
             converter.convert(model)
+        keep_state_dict_plain(model)
         if self.print_after_conversion:
             which = ", ".join(self.names) or "no converters"
             logger.info(f"Model after conversion ({which}):\n{model}")
@@ -157,6 +159,51 @@ class ModelConverters:
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_hook(model_parts)
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision tensor inside a torchao weight wrapper (``WeightWithDynamicFloat8Cast
+    Tensor``, ``Float8/MXFP8TrainingWeightWrapperTensor``), sharing its storage; a DTensor gets
+    its local wrapper unwrapped; anything else is returned as is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        inner = plain_tensor(t._local_tensor)
+        if inner is t._local_tensor:
+            return t
+        return DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0])
+    if inner.shape != t.shape or inner.dtype != t.dtype:
+        return t
+    return inner.detach()
+
+
+def _plain_state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+    for name, _ in module.named_parameters(recurse=False):
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = plain_tensor(state_dict[key])
+
+
+def keep_state_dict_plain(model: nn.Module) -> int:
+    """Make ``model.state_dict()`` (and so checkpoints and HF exports) hold plain tensors where
+    a converter wrapped a weight in a torchao tensor subclass: same FQNs, shapes and dtypes as
+    the unconverted model, loadable without torchao. Loading writes through the shared storage
+    into the wrapped weights. Returns the number of modules hooked."""
+    hooked = 0
+    for module in model.modules():
+        wrapped = any(
+            type(p) is not nn.Parameter or type(p.data) is not torch.Tensor
+            for p in module.parameters(recurse=False)
+        )
+        if wrapped:
+            module.register_state_dict_post_hook(_plain_state_dict_hook)
+            hooked += 1
+    return hooked
 
 
 def build_converters(job_config: JobConfig, parallel_dims: Any, device_type: str) -> ModelConverters:

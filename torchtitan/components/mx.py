@@ -97,9 +97,11 @@ class MXConverter(ModelConverter):
         self.config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(self.recipe))
         fsdp = bool(getattr(parallel_dims, "fsdp_enabled", False))
         t = job_config.training
-        # The grouped GEMMs' output dtype: the dtype the model computes in.
+        # The grouped GEMMs' output dtype: the dtype the model computes in; torchao's emulation
+        # dequantizes to bf16 (exact for MXFP8 values) and CPU grouped GEMMs keep their dtype.
         dtype = t.mixed_precision_param if fsdp else t.dtype
-        self.config.out_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        fp32 = dtype == "float32" and self.recipe != EMULATED
+        self.config.out_dtype = torch.float32 if fp32 else torch.bfloat16
         self.filter_fqns = list(mx.filter_fqns)
         self.moe_fqns = list(mx.moe_fqns_prototype)
 
