@@ -56,7 +56,8 @@ def _probe_leaves_no_trace(stage: PipelineStage) -> None:
         finally:
             with torch.no_grad():
                 for buffer, value in saved:
-                    buffer.copy_(value)
+                    if not torch.equal(buffer, value):  # unchanged buffers keep their version:
+                        buffer.copy_(value)  # a forward may have saved them (RoPE tables)
 
     stage._forward_metadata_inference = restoring_probe
 
