@@ -34,6 +34,10 @@ from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.distributed.pipeline import Pipeline
 from torchtitan.models import ModelSpec, get_model_spec
+from torchtitan.models.common.document_mask import (
+    apply_attention_config,
+    check_document_separators,
+)
 from torchtitan.models.common.moe import MoE, moe_layers
 from torchtitan.tools.device import device_type, get_device
 from torchtitan.tools.logging import logger
@@ -201,6 +205,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     tokenizer = comm_mode.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
     model_args = spec.get_model_args(cfg.model.flavor)
     model_args.update_from_config(cfg, tokenizer=tokenizer)
+    apply_attention_config(cfg.model, model_args)  # attn_mask_type / use_flex_attn / window
+    check_document_separators(model_args, tokenizer)
     parallel_dims.validate_for_model(
         n_heads=model_args.n_heads,
         n_kv_heads=model_args.effective_n_kv_heads,

@@ -68,6 +68,9 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
     spec = get_model_spec(cfg.model.name)
     model_args = spec.get_model_args(cfg.model.flavor)
     model_args.update_from_config(cfg, tokenizer=None)
+    from torchtitan.models.common.document_mask import apply_attention_config
+
+    apply_attention_config(cfg.model, model_args)
     if hasattr(model_args, "validate"):
         model_args.validate()
     parallel_dims.validate_for_model(

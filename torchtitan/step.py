@@ -53,6 +53,20 @@ def sequence_context(
     )
 
 
+def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Keyword inputs of the model's forward besides the tokens: ``document_ids`` (from the
+    tokenizer's BOS/EOS in ``inputs``) when the model masks attention by document. Built here,
+    once per batch, so every model part (pipeline stages too) gets the document boundaries."""
+    if getattr(run.model_args, "attn_mask_type", "causal") != "block_causal":
+        return {}
+    from torchtitan.models.common.document_mask import document_ids
+
+    tokenizer = run.tokenizer
+    bos = tokenizer.bos_id if tokenizer is not None else -1
+    eos = tokenizer.eos_id if tokenizer is not None else -1
+    return {"document_ids": document_ids(inputs, bos, eos)}
+
+
 def forward_backward(
     run: RunParts, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
 ) -> torch.Tensor:
@@ -60,11 +74,12 @@ def forward_backward(
     pipeline ranks without the last stage)."""
     if run.parallel_dims.cp_enabled:  # the batch is resized in place: own its storage
         inputs, labels = inputs.clone(), labels.clone()
+    kwargs = model_inputs(run, inputs)
     with loss_context(run), sequence_context(run, inputs, labels):
         if run.pipeline is not None:
-            # The schedule splits the batch into pipeline microbatches itself.
-            return run.pipeline.train_step(inputs, labels, loss_scale)
-        pred = run.model_parts[0](inputs)
+            # The schedule splits the batch (and kwargs) into pipeline microbatches itself.
+            return run.pipeline.train_step(inputs, labels, loss_scale, **kwargs)
+        pred = run.model_parts[0](inputs, **kwargs)
         loss = run.loss_fn(pred, labels) * loss_scale
         del pred
         loss.backward()

@@ -296,8 +296,10 @@ def test_flavor_rope_scaling():
 
 
 def test_invalid_args_raise_clear_errors():
-    with pytest.raises(ValueError, match="use_flex_attn=True is not supported"):
-        meta_model(replace(TINY, use_flex_attn=True))
+    with pytest.raises(ValueError, match="attn_mask_type='sliding' must be 'causal' or 'block_causal'"):
+        meta_model(replace(TINY, attn_mask_type="sliding"))
+    with pytest.raises(ValueError, match="sliding_window_size=0 must be >= 1"):
+        meta_model(replace(TINY, sliding_window_size=0))
     with pytest.raises(ValueError, match="n_heads=4 must be divisible by n_kv_heads=3"):
         meta_model(replace(TINY, n_kv_heads=3))
     with pytest.raises(ValueError, match="dim=66 must be divisible by n_heads=4"):

@@ -96,7 +96,7 @@ class Validator:
 def build_validator(run: RunParts) -> Validator:
     """The ``[validation]`` section's validator for ``run`` (through its pipeline under PP)."""
     from torchtitan.distributed.pipeline.evaluation import local_value
-    from torchtitan.step import loss_context, sequence_context
+    from torchtitan.step import loss_context, model_inputs, sequence_context
 
     val = run.job_config.validation
     dp_rank = run.parallel_dims.mesh_local_rank("dp")
@@ -108,12 +108,15 @@ def build_validator(run: RunParts) -> Validator:
         )
 
     if run.pipeline is not None:
-        batch_loss = run.pipeline.eval_loss
+        pipeline = run.pipeline
+
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return pipeline.eval_loss(inputs, labels, **model_inputs(run, inputs))
     else:
         model, loss_fn = run.model_parts[0], run.loss_fn
 
         def batch_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return local_value(loss_fn(model(inputs), labels))
+            return local_value(loss_fn(model(inputs, **model_inputs(run, inputs)), labels))
 
     return Validator(
         build,

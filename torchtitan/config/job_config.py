@@ -98,6 +98,16 @@ class Model:
     converters: list[str] = field(default_factory=list)
     """Model converters applied after building, e.g. float8 (comma separated)."""
 
+    attn_mask_type: Literal["causal", "block_causal"] | None = None
+    """Attention mask; None: the flavor's (causal for the Llama 3 sizes). block_causal: tokens
+    attend only within their own document of a packed sequence (split at BOS/EOS)."""
+
+    use_flex_attn: bool | None = None
+    """FlexAttention kernel on GPUs (on CPU: SDPA with the same mask); None: the flavor's."""
+
+    sliding_window_size: int | None = None
+    """Attend to at most this many positions back; None: the flavor's (unlimited)."""
+
     print_after_conversion: bool = False
     """Print the model after converters are applied."""
 

@@ -137,8 +137,6 @@ RULES: tuple[Rule, ...] = (
     _inverted("metrics.enable_color_printing", "metrics.disable_color_printing"),
     # model
     _dropped("model.norm_type", "RMSNorm is the only norm"),
-    _dropped("model.use_flex_attn", "the attention kernel is part of the model flavor", "bool"),
-    _dropped("model.attn_mask_type", "the attention mask is part of the model flavor"),
     # optimizer / lr_scheduler
     Rule(
         "optimizer.fused",

@@ -71,6 +71,7 @@ CHECKS: dict[str, Check] = {
     "training.gc_freq": _gt(0),
     "training.dataloader.num_workers": _ge(0),
     "training.dataloader.prefetch_factor": _opt(_gt(0)),
+    "model.sliding_window_size": _opt(_ge(1)),
     "optimizer.lr": _ge(0),
     "optimizer.eps": _ge(0),
     "optimizer.weight_decay": _ge(0),

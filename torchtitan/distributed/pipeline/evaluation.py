@@ -48,8 +48,12 @@ def pipeline_forward_only(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    **model_kwargs: torch.Tensor,
 ) -> torch.Tensor:
     """Forward-only pass of one batch through ``schedule``'s stages, then ``loss_fn``.
+
+    ``model_kwargs`` (batch-first tensors such as ``document_ids``) are split like the batch
+    and given to every stage.
 
     Microbatches (``torch.tensor_split`` into the schedule's count, so any batch size works)
     flow stage by stage over point-to-point sends on the pp group; a rank that holds two
@@ -63,10 +67,10 @@ def pipeline_forward_only(
     num_stages, me = ref.num_stages, ref.group_rank
     total = torch.zeros((), device=inputs.device)
     works: list = []
-    for x, y in zip(
-        torch.tensor_split(inputs, schedule._n_microbatches),
-        torch.tensor_split(labels, schedule._n_microbatches),
-    ):
+    n = schedule._n_microbatches
+    kwarg_chunks = {k: torch.tensor_split(v, n) for k, v in model_kwargs.items()}
+    for i, (x, y) in enumerate(zip(torch.tensor_split(inputs, n), torch.tensor_split(labels, n))):
+        kwargs = {k: chunks[i] for k, chunks in kwarg_chunks.items()}
         if x.shape[0] == 0:
             continue
         h: torch.Tensor | None = x
@@ -75,7 +79,7 @@ def pipeline_forward_only(
                 continue
             if idx > 0 and rank_of[idx - 1] != me:
                 h = _recv(rank_of[idx - 1], group, inputs.device)
-            h = by_index[idx].submod(h)
+            h = by_index[idx].submod(h, **kwargs)
             if idx == num_stages - 1:
                 total = total + local_value(loss_fn(h, y).detach())
             elif rank_of[idx + 1] != me:

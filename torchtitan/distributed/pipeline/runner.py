@@ -25,17 +25,19 @@ def pipeline_step(
     *,
     has_first_stage: bool,
     has_last_stage: bool,
+    **model_kwargs: torch.Tensor,
 ) -> torch.Tensor:
     """Forward+backward of one batch through ``schedule`` (every pp rank calls it).
 
     The first stage feeds ``inputs`` and the last stage applies the schedule's loss per
-    microbatch against ``labels``. Returns the sum of the microbatch losses (detached, a plain
+    microbatch against ``labels``; ``model_kwargs`` (e.g. ``document_ids``, batch-first
+    tensors) are split into microbatches and given to every stage's forward. Returns the sum of the microbatch losses (detached, a plain
     tensor) on a rank holding the last stage, else 0.
     """
     losses: list[torch.Tensor] | None = [] if has_last_stage else None
     args = (inputs,) if has_first_stage else ()
     target = labels if has_last_stage else None
-    schedule.step(*args, target=target, losses=losses, return_outputs=False)
+    schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs)
     if not losses:
         return torch.zeros((), device=inputs.device)
     return torch.stack([local_value(loss.detach()) for loss in losses]).sum()
@@ -97,7 +99,8 @@ class Pipeline:
         return self.loss_fn(pred, labels) * self._loss_scale
 
     def train_step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+        **model_kwargs: torch.Tensor,
     ) -> torch.Tensor:
         """Forward+backward of one batch; the scaled loss on last-stage ranks, else 0."""
         self._loss_scale = loss_scale
@@ -108,12 +111,17 @@ class Pipeline:
                 labels,
                 has_first_stage=self.has_first_stage,
                 has_last_stage=self.has_last_stage,
+                **model_kwargs,
             )
         finally:
             self._loss_scale = 1.0
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+    ) -> torch.Tensor:
         """Summed token loss of one batch, forward only, the same on every pp rank."""
-        total = pipeline_forward_only(self.schedule, inputs, labels, self.loss_fn).float()
+        total = pipeline_forward_only(
+            self.schedule, inputs, labels, self.loss_fn, **model_kwargs
+        ).float()
         dist.all_reduce(total, group=self.pp_mesh.get_group())
         return total

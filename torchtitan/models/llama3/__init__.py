@@ -53,6 +53,19 @@ llama3_args: dict[str, TransformerModelArgs] = {
         max_seq_len=2048,
         use_tokenizer_vocab=True,
     ),
+    # upstream's name: FlexAttention (GPU; SDPA with the same mask on CPU) + document masking
+    "debugmodel_flex_attn": TransformerModelArgs(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        vocab_size=2256,
+        multiple_of=256,
+        rope_theta=500000,
+        max_seq_len=2048,
+        use_tokenizer_vocab=True,
+        use_flex_attn=True,
+        attn_mask_type="block_causal",
+    ),
     "debugmodel_tiny": TransformerModelArgs(
         dim=64,
         n_layers=2,

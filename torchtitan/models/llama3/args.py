@@ -49,8 +49,13 @@ class TransformerModelArgs:
     use_tokenizer_vocab: bool = False
     """Take vocab_size from the tokenizer (debug flavors); real flavors keep theirs."""
     use_flex_attn: bool = False
-    """FlexAttention is not implemented; must stay False."""
-    attn_mask_type: Literal["causal"] = "causal"
+    """FlexAttention kernel (compiled) on GPUs; on CPU, which has no FlexAttention backward,
+    SDPA with the same mask (one info line). See models/common/document_mask.py."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """``block_causal``: tokens attend only within their document of a packed sequence
+    (documents split at the tokenizer's BOS/EOS); ``causal``: across the whole sequence."""
+    sliding_window_size: int | None = None
+    """Attend to at most this many positions back (including oneself); None: unlimited."""
 
     @property
     def effective_n_kv_heads(self) -> int:
@@ -72,14 +77,13 @@ class TransformerModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field if these args cannot build a model."""
-        if self.use_flex_attn:
+        if self.attn_mask_type not in ("causal", "block_causal"):
             raise ValueError(
-                "model use_flex_attn=True is not supported: FlexAttention is not implemented; "
-                "use a flavor with use_flex_attn=False"
+                f"model attn_mask_type={self.attn_mask_type!r} must be 'causal' or 'block_causal'"
             )
-        if self.attn_mask_type != "causal":
+        if self.sliding_window_size is not None and self.sliding_window_size < 1:
             raise ValueError(
-                f"model attn_mask_type={self.attn_mask_type!r} is not supported; only 'causal' is"
+                f"model sliding_window_size={self.sliding_window_size} must be >= 1 (or None)"
             )
         if self.dim % self.n_heads != 0:
             raise ValueError(f"model dim={self.dim} must be divisible by n_heads={self.n_heads}")

@@ -9,18 +9,21 @@ to ``None``; forward and init_weights skip what is missing.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import repeat_kv, sdpa_causal
+from torchtitan.models.common.attention import repeat_kv
+from torchtitan.models.common.document_mask import attend, build_attention_mask
 from torchtitan.models.common.rope import apply_rotary_emb, precompute_freqs_cis
 from torchtitan.models.llama3.args import TransformerModelArgs
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE and a causal mask."""
+    """Grouped-query self-attention with RoPE; causal unless given a mask (a boolean SDPA mask
+    or a FlexAttention BlockMask from ``document_mask.build_attention_mask``)."""
 
     def __init__(self, model_args: TransformerModelArgs):
         super().__init__()
@@ -39,7 +42,9 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -47,7 +52,9 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         keys = repeat_kv(xk, self.n_rep)
         values = repeat_kv(xv, self.n_rep)
-        out = sdpa_causal(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        out = attend(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask
+        )
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -93,8 +100,10 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(std)
         self.feed_forward.init_weights(std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask=attention_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -175,11 +184,24 @@ class Transformer(nn.Module):
             self.freqs_cis = self._precompute_freqs_cis(device=self.freqs_cis.device)
         return result
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids ``[B, S]`` (or hidden states ``[B, S, D]`` when ``tok_embeddings`` is None)
-        to logits ``[B, S, V]`` (or hidden states when ``output`` is None)."""
+        to logits ``[B, S, V]`` (or hidden states when ``output`` is None).
+
+        ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
+        ``attn_mask_type="block_causal"``; the mask is built once here for every layer."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        args = self.model_args
+        mask = None
+        if args.attn_mask_type != "causal" or args.sliding_window_size or args.use_flex_attn:
+            mask = build_attention_mask(
+                mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=h.shape[1],
+                batch_size=h.shape[0], device=h.device,
+                sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn,
+            )
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis, attention_mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

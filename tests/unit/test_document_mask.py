@@ -1,0 +1,202 @@
+"""Document masking: block-causal attention equals running each document on its own.
+
+The reference splits every packed row at its document boundaries and runs the plain causal
+model on each piece separately (RoPE is relative, so a document's attention does not depend on
+where it sits in the row); logits and parameter gradients of the block-causal model (SDPA with
+a boolean mask, the CPU training path) must equal it within fp32 tolerance. FlexAttention has
+no backward on CPU, so its kernel is checked forward-only against the same reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.models.common import document_mask
+from torchtitan.models.common.document_mask import (
+    attend,
+    boolean_mask,
+    build_attention_mask,
+    document_ids,
+)
+from torchtitan.models.llama3 import llama3_args
+from torchtitan.models.llama3.model import Transformer
+
+BOS, EOS, VOCAB, SEQ = 1, 2, 300, 48
+TOL = dict(rtol=1e-5, atol=1e-5)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def tiny_args(**kw):
+    args = copy.deepcopy(llama3_args["debugmodel_tiny"])  # dim 64, 2 layers, 4 heads, 2 kv
+    args.vocab_size, args.max_seq_len = VOCAB, SEQ
+    for key, value in kw.items():
+        setattr(args, key, value)
+    return args
+
+
+def packed_batch(seed: int = 0) -> torch.Tensor:
+    """Two rows of ``[BOS] doc [EOS]`` documents of uneven lengths (one cut at the start)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lengths in ([7, 12, 1, 20], [30, 10]):
+        row = torch.randint(3, VOCAB, (3,), generator=g).tolist()  # the tail of a cut document
+        row.append(EOS)
+        for n in lengths:
+            row += [BOS, *torch.randint(3, VOCAB, (n,), generator=g).tolist(), EOS]
+        rows.append((row + [BOS] + [5] * SEQ)[:SEQ])
+    return torch.tensor(rows)
+
+
+def models(**kw):
+    torch.manual_seed(0)
+    causal = Transformer(tiny_args())
+    causal.init_weights()
+    block = Transformer(tiny_args(attn_mask_type="block_causal", **kw))
+    block.load_state_dict(causal.state_dict())
+    return causal, block
+
+
+def per_document_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Each document of each row through ``model`` on its own, logits put back in place."""
+    docs = document_ids(tokens, BOS, EOS)
+    out = []
+    for row, ids in zip(tokens, docs):
+        pieces = [model(row[ids == d][None])[0] for d in ids.unique(sorted=True)]
+        out.append(torch.cat(pieces))
+    return torch.stack(out)
+
+
+def loss_of(logits, tokens):
+    labels = torch.roll(tokens, -1, dims=1)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_document_ids_from_bos_and_eos():
+    t = torch.tensor([[7, 2, 1, 8, 9, 2, 1, 5], [1, 3, 4, 5, 6, 7, 8, 9]])
+    assert document_ids(t, 1, 2).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 8]
+    # only EOS (a new document right after it), only BOS
+    assert document_ids(t, -1, 2).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 8]
+    assert document_ids(t, 1, -1).tolist() == [[0, 0, 1, 1, 1, 1, 2, 2], [0] * 8]
+    assert document_ids(torch.tensor([[3, 2, 4, 2]]), -1, 2).tolist() == [[0, 0, 1, 1]]
+
+
+def test_block_causal_equals_each_document_alone():
+    tokens = packed_batch()
+    causal, block = models()
+    logits = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
+    loss_of(logits, tokens).backward()
+    reference = per_document_logits(causal, tokens)
+    loss_of(reference, tokens).backward()
+    torch.testing.assert_close(logits, reference, **TOL)
+    for name, grad in grads(block).items():
+        torch.testing.assert_close(grad, grads(causal)[name], **TOL, msg=name)
+    # and it is not plain causal attention (the test can fail)
+    assert (causal(tokens) - logits).abs().max() > 1e-2
+
+
+def test_block_causal_needs_document_ids():
+    _, block = models()
+    with pytest.raises(ValueError, match="block_causal' needs document_ids"):
+        block(packed_batch())
+
+
+@pytest.mark.parametrize("mask_type", ["causal", "block_causal"])
+def test_flex_forward_equals_the_reference(mask_type, monkeypatch):
+    """The flex kernel (eager flex_attention, forward only on CPU) with the model's masks."""
+    monkeypatch.setattr(document_mask, "flex_supported", lambda device: True)
+    monkeypatch.setattr(document_mask, "_compiled_flex_attention", _eager_flex)
+    tokens = packed_batch(1)
+    causal, block = models(use_flex_attn=True)
+    block.model_args.attn_mask_type = mask_type
+    with torch.no_grad():
+        got = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
+        want = per_document_logits(causal, tokens) if mask_type == "block_causal" else causal(tokens)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def test_flex_on_cpu_trains_through_sdpa_with_one_info_line(caplog, monkeypatch):
+    monkeypatch.setattr(document_mask, "_cpu_fallback_logged", False)
+    tokens = packed_batch(2)
+    causal, block = models(use_flex_attn=True)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            block.zero_grad()
+            logits = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
+            loss_of(logits, tokens).backward()
+    lines = [r for r in caplog.records if "FlexAttention has no backward on CPU" in r.message]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    torch.testing.assert_close(logits, per_document_logits(causal, tokens), **TOL)
+    # causal through the flex switch is today's causal SDPA
+    causal_flex = Transformer(tiny_args(use_flex_attn=True))
+    causal_flex.load_state_dict(causal.state_dict())
+    torch.testing.assert_close(causal_flex(tokens), causal(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_sliding_window_masks_agree(window):
+    """SDPA boolean mask == flex BlockMask == a hand-written reference, with documents."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, SEQ, 16, generator=g) for _ in range(3))
+    tokens = packed_batch()
+    docs = document_ids(tokens, BOS, EOS)
+    keep = boolean_mask(docs, SEQ, window, "cpu")
+    i, j = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None]
+    hand = (j <= i) & (i - j < window) & (docs[:, :, None] == docs[:, None, :])
+    assert torch.equal(keep[:, 0], hand)
+    scores = (q @ k.transpose(-1, -2)) / 4.0
+    reference = scores.masked_fill(~hand[:, None], float("-inf")).softmax(-1) @ v
+    sdpa = attend(q, k, v, keep)
+    block_mask = build_attention_mask(
+        mask_type="block_causal", doc_ids=docs, seq_len=SEQ, batch_size=2,
+        device=torch.device("cpu"), sliding_window=window, use_flex=False,
+    )
+    assert torch.equal(block_mask, keep)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    flex_mask = create_block_mask(document_mask.mask_mod(docs, window), 2, None, SEQ, SEQ, "cpu")
+    with torch.no_grad():
+        flex = flex_attention(q, k, v, block_mask=flex_mask)
+    torch.testing.assert_close(sdpa, reference, **TOL)
+    torch.testing.assert_close(flex, reference, **TOL)
+
+
+def test_attention_config_keys(tmp_path):
+    from types import SimpleNamespace
+
+    from torchtitan.models.common.document_mask import apply_attention_config
+    from torchtitan.models.qwen3 import qwen3_args
+
+    cfg = SimpleNamespace(name="llama3", attn_mask_type="block_causal", use_flex_attn=True,
+                          sliding_window_size=None)
+    args = tiny_args()
+    apply_attention_config(cfg, args)
+    assert (args.attn_mask_type, args.use_flex_attn, args.sliding_window_size) == (
+        "block_causal", True, None)
+    unset = SimpleNamespace(name="llama3", attn_mask_type=None, use_flex_attn=None,
+                            sliding_window_size=None)
+    flavor = llama3_args["debugmodel_flex_attn"]
+    apply_attention_config(unset, flavor)  # the flavor's own settings stay
+    assert (flavor.attn_mask_type, flavor.use_flex_attn) == ("block_causal", True)
+    qwen = copy.deepcopy(next(iter(qwen3_args.values())))
+    with pytest.raises(ValueError, match="(use_flex_attn=True|block_causal').* is not supported"):
+        apply_attention_config(cfg, qwen)
+    cfg.attn_mask_type, cfg.use_flex_attn, cfg.sliding_window_size = None, None, 8
+    with pytest.raises(ValueError, match="model.sliding_window_size=8 is not supported by model"):
+        apply_attention_config(cfg, qwen)

@@ -1,0 +1,196 @@
+"""Document-aware attention: causal or block-causal masks, an optional sliding window, and two
+kernels (SDPA with a boolean mask, FlexAttention with a ``BlockMask``).
+
+A packed training sequence holds several documents (``[BOS] doc [EOS] [BOS] doc ...``).
+``attn_mask_type="block_causal"`` lets a token attend only to earlier tokens *of its own
+document*; the document boundaries come from the tokens themselves (:func:`document_ids`),
+computed once per batch outside the model (``torchtitan.step``) and handed to the model's
+forward, which builds one mask per batch (:func:`build_attention_mask`) shared by every layer.
+
+Kernels: FlexAttention (``use_flex_attn``, compiled) on GPUs; FlexAttention has no backward on
+CPU (torch 2.13), so on CPU the model uses SDPA with the equivalent boolean mask and says so
+once. Both kernels see the same mask definition (:func:`mask_mod` / :func:`boolean_mask`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "MASK_TYPES",
+    "apply_attention_config",
+    "attend",
+    "boolean_mask",
+    "build_attention_mask",
+    "check_document_separators",
+    "document_ids",
+    "flex_supported",
+    "mask_mod",
+]
+
+logger = logging.getLogger(__name__)
+
+MASK_TYPES = ("causal", "block_causal")
+_cpu_fallback_logged = False
+
+
+def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
+    """``int32[B, S]``: the index of each position's document within its row.
+
+    A document starts at a BOS token and right after an EOS token (so ``[BOS] a b [EOS]`` is one
+    document and works with tokenizers that add only one of them); ids below 0 mean "none".
+    The first position of a row always belongs to document 0 (a document cut by the window).
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"document_ids expects token ids [batch, seq], got shape {tuple(tokens.shape)}")
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    if bos_id >= 0:
+        starts |= tokens == bos_id
+    if eos_id >= 0:
+        starts[:, 1:] |= tokens[:, :-1] == eos_id
+    starts[:, 0] = False
+    return starts.to(torch.int32).cumsum(dim=1, dtype=torch.int32)
+
+
+def mask_mod(doc_ids: torch.Tensor | None, sliding_window: int | None):
+    """FlexAttention ``mask_mod(b, h, q, kv)``: causal, within one document (when ``doc_ids``),
+    and within ``sliding_window`` positions (``q - kv < window``) when set."""
+
+    def causal(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        if doc_ids is not None:
+            keep = keep & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+        if sliding_window:
+            keep = keep & (q_idx - kv_idx < sliding_window)
+        return keep
+
+    return causal
+
+
+def boolean_mask(
+    doc_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device: Any
+) -> torch.Tensor:
+    """SDPA's ``attn_mask`` (True = attend): ``bool[B, 1, S, S]`` with ``doc_ids``, else
+    ``[1, 1, S, S]``; the same rule as :func:`mask_mod`."""
+    pos = torch.arange(seq_len, device=device)
+    keep = pos[:, None] >= pos[None, :]
+    if sliding_window:
+        keep = keep & (pos[:, None] - pos[None, :] < sliding_window)
+    keep = keep[None, None]
+    if doc_ids is not None:
+        keep = keep & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    return keep
+
+
+def flex_supported(device: torch.device) -> bool:
+    """FlexAttention trains on this device (it has no backward on CPU in torch 2.13)."""
+    return device.type != "cpu"
+
+
+def _log_cpu_fallback() -> None:
+    global _cpu_fallback_logged
+    if not _cpu_fallback_logged:
+        _cpu_fallback_logged = True
+        logger.info(
+            "model.use_flex_attn: FlexAttention has no backward on CPU; using SDPA with the "
+            "equivalent boolean mask (same attention, more memory: batch x seq^2 booleans)"
+        )
+
+
+def build_attention_mask(
+    *,
+    mask_type: str,
+    doc_ids: torch.Tensor | None,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    use_flex: bool = False,
+) -> Any:
+    """The mask of one batch, shared by every layer: ``None`` (plain causal SDPA), a boolean
+    ``[B|1, 1, S, S]`` tensor (SDPA) or a FlexAttention ``BlockMask``.
+
+    ``block_causal`` needs ``doc_ids`` (:func:`document_ids`). ``use_flex`` on a device where
+    FlexAttention cannot train (CPU) falls back to the boolean mask with one info line.
+    """
+    if mask_type not in MASK_TYPES:
+        raise ValueError(f"attn_mask_type={mask_type!r} is not one of {', '.join(MASK_TYPES)}")
+    if mask_type == "block_causal" and doc_ids is None:
+        raise ValueError(
+            "attn_mask_type='block_causal' needs document_ids: call the model as "
+            "model(tokens, document_ids=document_ids(tokens, bos_id, eos_id))"
+        )
+    docs = doc_ids if mask_type == "block_causal" else None
+    if use_flex and not flex_supported(device):
+        _log_cpu_fallback()
+        use_flex = False
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        rows = batch_size if docs is not None else None
+        return create_block_mask(
+            mask_mod(docs, sliding_window), rows, None, seq_len, seq_len, device=device
+        )
+    if docs is None and not sliding_window:
+        return None
+    return boolean_mask(docs, seq_len, sliding_window, device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
+           compiled_flex: bool = True) -> torch.Tensor:
+    """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if compiled_flex:
+        return _compiled_flex_attention()(q, k, v, block_mask=mask)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask)
+
+
+def apply_attention_config(model_cfg: Any, model_args: Any) -> None:
+    """Apply ``model.attn_mask_type`` / ``model.use_flex_attn`` / ``model.sliding_window_size``
+    (None: the flavor's) to ``model_args`` and validate them: a family without the field refuses
+    the key in one line (ValueError), never ignores it."""
+    settings = {
+        "attn_mask_type": model_cfg.attn_mask_type,
+        "use_flex_attn": model_cfg.use_flex_attn,
+        "sliding_window_size": model_cfg.sliding_window_size,
+    }
+    for key, value in settings.items():
+        if value is None:
+            continue
+        if not hasattr(model_args, key):
+            raise ValueError(
+                f"model.{key}={value!r} is not supported by model {model_cfg.name}: its flavors "
+                "have no such setting; unset it"
+            )
+        setattr(model_args, key, value)
+    validate = getattr(model_args, "validate", None)
+    if validate is not None and any(v is not None for v in settings.values()):
+        validate()
+
+
+def check_document_separators(model_args: Any, tokenizer: Any) -> None:
+    """``block_causal`` finds documents by the tokenizer's BOS/EOS: refuse one without both."""
+    if getattr(model_args, "attn_mask_type", "causal") != "block_causal" or tokenizer is None:
+        return
+    if getattr(tokenizer, "bos_id", -1) < 0 and getattr(tokenizer, "eos_id", -1) < 0:
+        raise ValueError(
+            "model.attn_mask_type='block_causal' finds documents by the tokenizer's BOS/EOS "
+            "tokens, and this tokenizer has neither; use attn_mask_type='causal'"
+        )
