@@ -1,13 +1,16 @@
-"""DeepSeek-V3 (debugmodel) under FSDP2 and TP2 on two gloo ranks equals one device.
+"""DeepSeek-V3 (debugmodel) under FSDP2, TP2, PP2 and CP2 on two gloo ranks equals one device.
 
 Same method as test_trainer_data_parallel.py (tests/distributed/trainer_runs.py): one seed
 checkpoint, fixed global batches, per-step loss and grad norm compared. FSDP2 shards every
 parameter (experts included); TP2 covers the MLA plan (``wq_b``/``wkv_b`` column-wise, ``wo``
 row-wise, the latent ``wq_a``/``wkv_a`` and their norms replicated with whole gradients on
-each rank), the dense FFN split and MoE layers run whole on every TP rank. The MoE
+each rank), the dense FFN split and MoE layers run whole on every TP rank; PP2 splits the
+blocks with the Llama pipeline helpers (1F1B); CP2 shards the sequence and the RoPE table
+(ring attention over v zero-padded to the q/k head dim). The MoE
 load-balancing bias is updated every step, so later steps' routing depends on it matching.
 
-Measured (worst step and rank): loss 1.3e-6 absolute for FSDP2 and 1.9e-6 for TP2; grad norms
+Measured (worst step and rank): loss 1.3e-6 absolute for FSDP2, 1.9e-6 TP2, 9.5e-7 PP2,
+1.0e-6 CP2; grad norms
 5.7e-5 relative (the CPU fp32 norm kernel, see test_qwen3_parallel.py), hence rtol 1e-4 there.
 The loss alone is a weak check of TP (AdamW hides gradient scale errors; a rope key whose
 gradient was not summed over the TP ranks moved the loss by only 1.5e-4 at step 3), so
@@ -31,6 +34,11 @@ LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.data_parallel_shard_degree", "1",
             "--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "cp2": ["--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.context_parallel_degree", "2"],
 }
 
 
