@@ -55,9 +55,13 @@ def sequence_context(
 
 def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Keyword inputs of the model's forward besides the tokens: ``document_ids`` (from the
-    tokenizer's BOS/EOS in ``inputs``) when the model masks attention by document. Built here,
+    tokenizer's BOS/EOS in ``inputs``) when the model masks attention by document (or uses a
+    window or FlexAttention: the ids give every model part the batch's shape). Built here,
     once per batch, so every model part (pipeline stages too) gets the document boundaries."""
-    if getattr(run.model_args, "attn_mask_type", "causal") != "block_causal":
+    args = run.model_args
+    if getattr(args, "attn_mask_type", "causal") == "causal" and not (
+        getattr(args, "sliding_window_size", None) or getattr(args, "use_flex_attn", False)
+    ):
         return {}
     from torchtitan.models.common.document_mask import document_ids
 

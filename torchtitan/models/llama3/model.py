@@ -191,14 +191,21 @@ class Transformer(nn.Module):
         to logits ``[B, S, V]`` (or hidden states when ``output`` is None).
 
         ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
-        ``attn_mask_type="block_causal"``; the mask is built once here for every layer."""
+        ``attn_mask_type="block_causal"`` (and give the sequence length to pipeline stages
+        without the embedding); the mask is built once here for every layer."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         args = self.model_args
         mask = None
         if args.attn_mask_type != "causal" or args.sliding_window_size or args.use_flex_attn:
+            shape = (document_ids if document_ids is not None else tokens).shape
+            if len(shape) != 2:
+                raise ValueError(
+                    "this model's attention mask needs document_ids [batch, seq] on a "
+                    "pipeline stage without the token embedding"
+                )
             mask = build_attention_mask(
-                mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=h.shape[1],
-                batch_size=h.shape[0], device=h.device,
+                mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=shape[1],
+                batch_size=shape[0], device=h.device,
                 sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn,
             )
         for layer in self.layers.values():
