@@ -117,12 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         "memory_kind": mem.kind,
         "timed_steps": len(times),
     }
+    dispatchers = [m.ep_dispatch for part in trainer.model_parts for m in part.modules()
+                   if hasattr(m, "ep_dispatch")]
+    if dispatchers:  # expert parallel: tokens sent to other ranks' experts, per step
+        sent = sum(d.tokens_sent for d in dispatchers) / max(trainer.step, 1)
+        dim = trainer.run.model_args.dim
+        result["ep_tokens_sent_per_step"] = round(sent, 1)
+        # dispatch + combine, forward + backward, fp32 activations of width dim
+        result["ep_all_to_all_mib_per_step"] = round(sent * dim * 4 * 2 * 2 / 2**20, 2)
     if bare_step is not None:
         base = statistics.median(bare_times)
         result["baseline_step_s"] = round(base, 4)
         result["framework_over_baseline"] = round(step_s / base, 4)
     trainer.close()
-    print(json.dumps(result), flush=True)
+    sys.stdout.write(json.dumps(result) + "\n")  # one write: ranks share the launcher's stdout
+    sys.stdout.flush()
     import torch.distributed as dist
 
     if dist.is_initialized():  # gloo can abort in interpreter finalisation otherwise

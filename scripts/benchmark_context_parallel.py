@@ -36,7 +36,13 @@ def run_layout(nproc: int, flags: list[str], args: argparse.Namespace) -> list[d
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-3000:])
         raise SystemExit(f"benchmark failed for {' '.join(flags)}")
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    decoder, rows = json.JSONDecoder(), []
+    for line in proc.stdout.splitlines():
+        pos = line.find("{")
+        while pos != -1:  # several ranks' objects may share a line
+            obj, end = decoder.raw_decode(line, pos)
+            rows.append(obj)
+            pos = line.find("{", end)
     return sorted(rows, key=lambda r: r.get("rank", 0))
 
 

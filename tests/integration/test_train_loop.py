@@ -107,7 +107,6 @@ def test_tensorboard_from_trainer(tmp_path):
 @pytest.mark.parametrize(
     "kw,flags,needle",
     [
-        (dict(expert_parallel_degree=2), [], "need an MoE model"),
         ({}, ["--model.converters", "fp8"], "unknown converter 'fp8'; known: float8, mx"),
     ],
 )
@@ -141,6 +140,24 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
     with pytest.raises(ValueError, match=needle):
         dims = ParallelDims.from_config(Parallelism(**degrees), world)
         dims.validate_for_model(n_heads=4, n_kv_heads=2, n_layers=2, seq_len=seq_len)
+
+
+@pytest.mark.parametrize(
+    "degrees, world, needle",
+    [
+        (dict(expert_parallel_degree=3), 4, r"expert_parallel_degree=3 must divide data_parallel_shard_degree=4"),
+        (dict(expert_parallel_degree=2, data_parallel_replicate_degree=2), 4,
+         r"not supported together with data_parallel_replicate_degree > 1 or context_parallel"),
+        (dict(expert_parallel_degree=2, expert_tensor_parallel_degree=2,
+              tensor_parallel_degree=2), 4, r"experts are not tensor-parallel here"),
+    ],
+)
+def test_expert_parallel_layout_errors(degrees, world, needle):
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    with pytest.raises(ValueError, match=needle):
+        ParallelDims.from_config(Parallelism(**degrees), world)
 
 
 def test_context_parallel_refuses_what_ring_attention_cannot_split():

@@ -39,7 +39,10 @@ class ExpertDispatch:
     def __init__(self, ep_mesh: DeviceMesh):
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
+        self.rank = ep_mesh.get_local_rank()
         self._state: tuple[torch.Tensor, list[int], list[int]] | None = None
+        self.tokens_sent = 0
+        """Tokens this rank sent to other ranks' experts (forward dispatch), for benchmarks."""
 
     def dispatch(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward pre-hook: ``(tokens sorted by global expert, counts [E])`` -> ``(tokens of
@@ -52,6 +55,7 @@ class ExpertDispatch:
             received_counts = torch.empty_like(counts)
             dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
         send_splits = counts.view(self.ep, n_local).sum(dim=1).tolist()
+        self.tokens_sent += sum(send_splits) - send_splits[self.rank]
         received = received_counts.view(self.ep, n_local)  # [source rank, local expert]
         recv_splits = received.sum(dim=1).tolist()
         routed = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
@@ -103,6 +107,7 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         dispatch = ExpertDispatch(ep_mesh)
+        experts.ep_dispatch = dispatch
         experts.register_forward_pre_hook(dispatch.dispatch)
         experts.register_forward_hook(dispatch.combine)
     logger.info(
