@@ -4,9 +4,10 @@ in bf16, and the 405B config's float8 layout dry-run at 512 ranks.
 The curves: ``debugmodel_tiny`` in bf16 (``training.dtype``), 6 steps from one seed
 checkpoint, plain vs float8 tensorwise vs float8 rowwise (emulated). float8 rounds matmul
 inputs to 3 mantissa bits (e4m3; gradients e5m2 in tensorwise), a relative error of up to
-6% per element that averages out over the dot products; the loss curves stay within 2% of
-the bf16 curve (measured: docs/float8.md), and must differ from it (else nothing was
-converted). The 20-step debug-model figures are in docs/float8.md.
+6% per element that averages out over the dot products. Measured here: at most 3e-5
+relative (tensorwise) and 1e-5 (rowwise) from the bf16 curve; the test allows 1e-3 and
+requires a difference (else nothing was converted). The 20-step debug-model figures are in
+docs/float8.md.
 """
 
 from __future__ import annotations

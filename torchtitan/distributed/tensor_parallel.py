@@ -113,6 +113,12 @@ def apply_tp(
     ``enable_float8_tensorwise_tp`` (the float8 converter with tensorwise scaling) all-gathers
     the blocks' activations in float8 (:func:`block_tp_plan`).
     """
+    if enable_float8_tensorwise_tp and _backend(tp_mesh) == "gloo":
+        logger.info(
+            "float8 TP: gloo has no float8 dtypes, so activations are all-gathered in high "
+            "precision and cast by each Float8Linear (the same scales and float8 values)"
+        )
+        enable_float8_tensorwise_tp = False
     tied = _is_tied(model)
     plan = {
         name: style
@@ -133,6 +139,15 @@ def apply_tp(
         f"{', float8 all-gather' if enable_float8_tensorwise_tp else ''})"
     )
     return model
+
+
+def _backend(mesh: DeviceMesh) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(mesh.get_group()))
+    except (RuntimeError, ValueError):
+        return ""
 
 
 def _is_tied(model: nn.Module) -> bool:
