@@ -193,3 +193,17 @@ def test_hf_config_refuses_what_hf_cannot_express():
     with pytest.raises(ValueError, match="topk_method='group_limited_greedy' is not supported"):
         model_args_from_hf_config({**hf_config_from_model_args(deepseekv3_args["16B"]),
                                    "topk_method": "group_limited_greedy"})
+
+
+
+def test_tp_degree_must_divide_the_dense_ffn():
+    from torchtitan.distributed.parallel_dims import ParallelismError
+    from torchtitan.models.deepseek_v3.parallelize import check_deepseekv3_tp
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])
+    args.inter_dim = 1000
+    model = _meta_model(args)
+    check_deepseekv3_tp(model, 2)
+    with pytest.raises(ParallelismError, match=r"^parallelism.tensor_parallel_degree=3 must divide "
+                       r"the model's dense FFN inter_dim=1000 \(w1/w3 are split column-wise\)$"):
+        check_deepseekv3_tp(model, 3)

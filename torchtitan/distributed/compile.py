@@ -27,16 +27,21 @@ def model_compile_enabled(cfg: Compile) -> bool:
 
 
 def apply_compile(model: nn.Module, cfg: Compile) -> nn.Module:
-    """Replace every block of ``model.layers`` by ``torch.compile(block, fullgraph=True)``.
+    """Replace every block of ``model.layers`` by ``torch.compile(block, fullgraph=True)``
+    (``fullgraph=False`` for blocks with an MoE layer: in float32 its experts run a per-expert
+    loop whose split sizes are data-dependent, a graph break).
 
     Apply after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs. The
     compiled wrapper adds ``_orig_mod.`` to raw ``named_parameters()`` / ``state_dict()`` keys;
     ``torch.distributed.checkpoint.state_dict`` (which checkpointing uses) strips it.
     """
+    from torchtitan.models.common.moe import MoE
+
     layers: nn.ModuleDict = model.layers
     for layer_id, block in list(layers.items()):
         if block is None:
             continue
-        layers[layer_id] = torch.compile(block, backend=cfg.backend, fullgraph=True)
+        fullgraph = not any(isinstance(m, MoE) for m in block.modules())
+        layers[layer_id] = torch.compile(block, backend=cfg.backend, fullgraph=fullgraph)
     logger.info(f"Compiled {len(layers)} transformer blocks with torch.compile ({cfg.backend})")
     return model

@@ -1,12 +1,13 @@
-"""Apply TP -> AC -> compile -> FSDP/HSDP (or DDP) to a DeepSeek-V3 model.
+"""Apply TP -> EP -> AC -> compile -> FSDP/HSDP (or DDP) to a DeepSeek-V3 model: the Llama
+family's composition (torchtitan/models/llama3/parallelize.py) with a DeepSeek-V3 TP plan.
 
 Tensor parallel (sequence parallel between blocks, as for Llama): MLA shards heads (``wq`` or
 ``wq_b`` and ``wkv_b`` column-wise, ``wo`` row-wise); the latent projections ``wq_a``/``wkv_a``
 and their norms run replicated on every TP rank: their gradients come out whole and equal on
 each rank, since the column-wise layers all-reduce their input gradients and so does
 :class:`SumGradientOverTP` for the rope key ``k_pe`` that all heads share; dense FFNs shard as
-Llama's. MoE layers run replicated on the gathered sequence (no expert parallelism or expert TP
-yet: the experts are sharded by FSDP like any parameter).
+Llama's. MoE layers run replicated on the gathered sequence (no expert TP; the experts are
+sharded by FSDP like any parameter, or by expert parallelism when it is on).
 
 Everything here works on a ``meta``-device model; the trainer then calls
 ``model.to_empty(device=...)`` and ``model.init_weights(buffer_device=...)``.
@@ -29,12 +30,9 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import model_compile_enabled
-from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp, non_block_tp_plan
-from torchtitan.tools import device as device_tools
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
+from torchtitan.distributed.tensor_parallel import non_block_tp_plan
+from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.tools.logging import logger
 
 
@@ -90,7 +88,9 @@ def block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tp_deepseekv3(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
+def apply_tp_deepseekv3(
+    model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True
+) -> nn.Module:
     """Apply the TP/SP plans (parts that are None in a pipeline stage are skipped)."""
     plan = {
         name: style
@@ -106,60 +106,26 @@ def apply_tp_deepseekv3(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bo
         f"Applied tensor parallel to DeepSeek-V3 (degree {tp_mesh.size()}, MLA heads and dense "
         "FFNs sharded, MoE layers replicated)"
     )
+    return model
 
 
-def apply_compile_blocks(model: nn.Module, backend: str) -> None:
-    """Compile every block; MoE blocks without ``fullgraph`` (token counts per expert are
-    data-dependent), dense ones with it."""
-    for layer_id, block in list(model.layers.items()):
-        if block is None:
-            continue
-        fullgraph = not getattr(block, "moe_enabled", False)
-        model.layers[layer_id] = torch.compile(block, backend=backend, fullgraph=fullgraph)
-    logger.info(f"Compiled {len(model.layers)} DeepSeek-V3 blocks with torch.compile ({backend})")
+def check_deepseekv3_tp(model: nn.Module, tp: int) -> None:
+    """One line when the dense FFN width is not divisible by the TP degree (heads are checked
+    by ``ParallelDims.validate_for_model``; MoE layers are not TP-sharded)."""
+    args = model.model_args
+    if args.n_dense_layers > 0 and args.inter_dim % tp:
+        raise ParallelismError(
+            f"parallelism.tensor_parallel_degree={tp} must divide the model's dense FFN "
+            f"inter_dim={args.inter_dim} (w1/w3 are split column-wise)"
+        )
 
 
 def parallelize_deepseekv3(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    """Parallelize ``model`` in place per ``parallel_dims`` and ``job_config``; returns it.
-
-    Order: tensor parallel, activation checkpointing, per-block compile, then FSDP/HSDP when
-    dp_shard or cp > 1, else DDP when dp_replicate > 1.
-    """
-    par = job_config.parallelism
-    compile_model = model_compile_enabled(job_config.compile)
-    mesh = parallel_dims.world_mesh
-    device_type = mesh.device_type if mesh is not None else device_tools.device_type
-
-    tp_mesh = parallel_dims.get_mesh("tp")
-    maybe_enable_async_tp(par.enable_async_tensor_parallel, compile_model, tp_mesh, device_type)
+    """Parallelize ``model`` in place: the shared composition (async TP check, TP, expert
+    parallel, AC, per-block compile, FSDP/HSDP or DDP) with :func:`apply_tp_deepseekv3` as its
+    tensor-parallel step."""
     if parallel_dims.tp_enabled:
-        apply_tp_deepseekv3(model, tp_mesh, loss_parallel=not par.disable_loss_parallel)
-
-    apply_ac(model, job_config.activation_checkpoint)
-
-    if compile_model:
-        apply_compile_blocks(model, job_config.compile.backend)
-
-    training = job_config.training
-    if training.enable_cpu_offload and not parallel_dims.fsdp_enabled:
-        logger.warning(
-            "training.enable_cpu_offload only works with FSDP (parallelism.data_parallel_shard_degree "
-            "> 1); ignoring it"
-        )
-    apply_data_parallel(
-        model,
-        parallel_dims,
-        param_dtype=to_torch_dtype(
-            training.mixed_precision_param, "training.mixed_precision_param"
-        ),
-        reduce_dtype=to_torch_dtype(
-            training.mixed_precision_reduce, "training.mixed_precision_reduce"
-        ),
-        cpu_offload=training.enable_cpu_offload and parallel_dims.fsdp_enabled,
-        reshard_after_forward_policy=par.fsdp_reshard_after_forward,
-        enable_compile=compile_model,
-        enable_compiled_autograd=par.enable_compiled_autograd,
-    )
-    return model
+        check_deepseekv3_tp(model, parallel_dims.tp)
+    return parallelize_llama(model, parallel_dims, job_config, apply_tp_fn=apply_tp_deepseekv3)
