@@ -5,7 +5,7 @@ weights) with AdamW and a warm-up LR schedule. Checkpoints saved under one layou
 under another and the *next* steps' losses must equal those of the run that never stopped
 (fp32 reduction-order noise only: |diff| < 2e-5 on losses of ~6). Also covered here, in the
 same launches: an async save (own gloo group) while training continues, the dataloader state
-under a changed dp degree failing on every rank with one clear message (never a hang), and HF
+(one global stream position) loading under a changed dp degree on every rank, and HF
 safetensors loaded into an FSDP2 x TP2 model (``initial_load_in_hf``).
 """
 
@@ -46,8 +46,21 @@ TOTAL_STEPS = 10
 
 
 class _Numbers(IterableDataset):
+    """A stream position that every rank shares (the protocol of HuggingFaceTextDataset)."""
+
+    def __init__(self):
+        self.position = 0
+
     def __iter__(self):
-        yield from (torch.tensor([i]) for i in range(1000))
+        while True:
+            self.position += 1
+            yield torch.tensor([self.position])
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
 
 
 class Run:
@@ -138,16 +151,17 @@ def four_ranks(root: str) -> dict:
     out["fsdp4"] = losses
 
     b = Run(dp_shard=2, tp=2)
-    # dp 4 -> 2: the dataloader refuses on every rank, with the way out in the message
-    _expect_error(lambda: b.manager(root_p / "fsdp4").load(step=2), "data-parallel layout", "exclude_from_loading dataloader")
-    b = Run(dp_shard=2, tp=2)
-    assert b.manager(root_p / "fsdp4", exclude_from_loading=["dataloader"]).load(step=2)
+    # dp 4 -> 2: the data stream's position loads on every rank (one value, stored once)
+    assert b.manager(root_p / "fsdp4").load(step=2)
+    assert b.loader.dataset.position == 0
     out["fsdp2_tp2"] = [b.step(s) for s in range(2, 4)]
     b.manager(root_p / "dp2").save(4, force=True)
 
-    # dp 2 -> 4: ranks 2 and 3 have no dataloader entry; every rank must fail, none may hang
+    # dp 2 -> 4: ranks 2 and 3 read the same stored position as ranks 0 and 1
     c = Run(dp_shard=4)
-    out["grow_error"] = _expect_error(lambda: c.manager(root_p / "dp2").load(), "exclude_from_loading dataloader")
+    c.loader.dataset.position = 99
+    assert c.manager(root_p / "dp2").load()
+    out["grown_position"] = c.loader.dataset.position
 
     # HF safetensors of the initial weights, loaded straight into FSDP2 x TP2 shards
     d = Run(dp_shard=2, tp=2)
@@ -180,8 +194,7 @@ def test_reshard_fsdp4_tp_fsdp2_single(tmp_path):
     # FSDP2 x TP2 from FSDP4's step-2: the next two steps (optimizer state resharded too)
     for got, want in zip(four[0]["fsdp2_tp2"], ref[2:4]):
         assert abs(got - want) < TOL, (four[0]["fsdp2_tp2"], ref)
-    for r in four:
-        assert "exclude_from_loading dataloader" in r["grow_error"]
+    assert [r["grown_position"] for r in four] == [0] * 4
     assert abs(four[0]["hf_first_loss"] - ref[0]) < TOL  # HF weights -> sharded model, exactly
     assert (tmp_path / "fsdp4" / "checkpoint" / "step-4" / ".committed").exists()
 

@@ -1,4 +1,5 @@
-"""Datasets: registry, local formats, packing, DP sharding, exact resume, the dataloader."""
+"""Datasets: registry, local formats, packing, the global stream shared out to dp ranks, exact
+resume (also across dp degrees, workers and batch sizes), the dataloader."""
 
 import itertools
 import json
@@ -235,26 +236,30 @@ def test_real_tokenizer_on_c4_test(tiktoken_tokenizer):
 # --- data-parallel sharding ------------------------------------------------------------------
 
 
-def test_dp_ranks_get_disjoint_contiguous_shards(jsonl):
-    seen = []
-    for rank in range(2):
-        samples = list(_ds(jsonl, seq_len=4, dp_rank=rank, dp_world_size=2, infinite=False))
-        stream = _windows_to_stream(samples)
-        shard = DOCS[rank * 20 : (rank + 1) * 20]
-        expected = _stream(shard)
-        assert stream == expected[: len(stream)] and len(expected) - len(stream) < 5
-        seen.append(set(CHAR.decode(stream).split("doc")[1:-1]))  # complete documents
-    assert seen[0].isdisjoint(seen[1])
-    assert len(seen[0] | seen[1]) >= len(DOCS) - 2  # all but each rank's cut-off last document
+def _global_stream(path, n: int) -> list[list[int]]:
+    """The first ``n`` packed sequences of the global stream (one rank, one at a time)."""
+    return [_windows_to_stream([s]) for s in itertools.islice(iter(_ds(path, seq_len=8)), n)]
 
 
-def test_dp_rank_out_of_range_and_empty_shard(jsonl, tmp_path):
+def test_dp_ranks_share_out_the_global_stream(jsonl):
+    """Rank r of N takes sequences r, r + N, ... of one stream, batch by batch."""
+    ref = _global_stream(jsonl, 24)
+    for world, batch in ((2, 1), (2, 3), (3, 2)):
+        for rank in range(world):
+            ds = _ds(jsonl, seq_len=8, dp_rank=rank, dp_world_size=world, batch_size=batch)
+            got = [_windows_to_stream([s]) for s in itertools.islice(iter(ds), 24 // world)]
+            assert got == ref[rank::world][: len(got)], (world, batch, rank)
+
+
+def test_dp_rank_out_of_range_and_short_data(jsonl, tmp_path):
     with pytest.raises(ValueError, match=r"dp_rank 2 is outside \[0, 2\)"):
         _ds(jsonl, dp_rank=2, dp_world_size=2)
-    one = tmp_path / "one.jsonl"
-    one.write_text('{"text": "only"}\n')
-    with pytest.raises(ValueError, match=r"no documents for dp rank 1 of 2"):
-        next(iter(_ds(one, dp_rank=1, dp_world_size=2)))
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"text": "a"}\n')
+    assert list(_ds(short, seq_len=4, infinite=False)) == []  # no full window in one pass
+    # every rank reads every document: one document serves any number of ranks
+    x, _ = next(iter(_ds(short, seq_len=4, dp_rank=1, dp_world_size=2)))
+    assert x.tolist() == [EOS, BOS, ord("a") + 3, EOS]  # sequence 1 of a, a, a, ...
 
 
 # --- exact resume ----------------------------------------------------------------------------
@@ -303,65 +308,85 @@ def test_dataloader_resume_is_exact(jsonl, num_workers):
     for _ in range(5):
         next(it)
     state = loader.state_dict()
-    assert set(state) == {"dp_rank_1", "world_size"} and state["world_size"] == 2
+    assert set(state) == {"data_stream", "world_size"} and state["world_size"] == 2
     resumed = make()
     resumed.load_state_dict(state)
     assert _same(list(itertools.islice(iter(resumed), 9)), ref[5:14])
 
 
-def test_workers_split_documents(jsonl):
-    loader = build_text_dataloader(
-        dataset_name="local",
-        dataset_path=str(jsonl),
-        tokenizer=CHAR,
-        local_batch_size=1,
-        seq_len=4,
-        dp_rank=0,
-        dp_world_size=1,
-        infinite=False,
-        dataloader_config=DataLoader(num_workers=2),
-    )
-    rows = [(x[0], y[0]) for x, y in loader]
-    # Worker w packs documents w, w + 2, ...; the loader takes batches from the workers in turn.
-    per_worker = []
-    for w in range(2):
-        stream = _stream(DOCS[w::2])
-        n = len(stream) // 5
-        per_worker.append([stream[i * 5 : (i + 1) * 5] for i in range(n)])
-    expected = [
-        win
-        for i in range(max(map(len, per_worker)))
-        for ws in per_worker
-        if i < len(ws)
-        for win in [ws[i]]
+def _rows(loader, n_batches):
+    return [
+        _windows_to_stream([(x[i], y[i])])
+        for x, y in itertools.islice(iter(loader), n_batches)
+        for i in range(x.shape[0])
     ]
-    assert [_windows_to_stream([r]) for r in rows] == expected
 
 
-def test_dp_world_size_change_is_refused(jsonl):
-    def make(rank, world):
-        return build_text_dataloader(
-            dataset_name="local",
-            dataset_path=str(jsonl),
-            tokenizer=CHAR,
-            local_batch_size=2,
-            seq_len=8,
-            dp_rank=rank,
-            dp_world_size=world,
-        )
+def _loader(path, rank=0, world=1, batch=2, workers=0, infinite=True, tokenizer=CHAR):
+    return build_text_dataloader(
+        dataset_name="local",
+        dataset_path=str(path),
+        tokenizer=tokenizer,
+        local_batch_size=batch,
+        seq_len=8,
+        dp_rank=rank,
+        dp_world_size=world,
+        infinite=infinite,
+        dataloader_config=DataLoader(num_workers=workers),
+    )
 
-    saved = make(0, 2)
+
+def test_workers_make_the_same_batches(jsonl):
+    """Worker w of W makes this rank's batches w, w + W, ...: the rows do not depend on W."""
+    ref = _rows(_loader(jsonl, rank=1, world=2, batch=3), 8)
+    assert _rows(_loader(jsonl, rank=1, world=2, batch=3, workers=2), 8) == ref
+    assert ref == _global_stream(jsonl, 48)[1::2]
+    finite = _rows(_loader(jsonl, batch=1, workers=2, infinite=False), 1000)
+    assert finite == _global_stream(jsonl, len(finite)) and len(finite) == len(_stream(DOCS)) // 9
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dp_degree_change_resumes_exactly(jsonl, workers):
+    """Saved after 3 steps at dp 2 (local batch 2): resuming at dp 1 (batch 4) or dp 4 (batch
+    1) reads exactly the sequences an uninterrupted run reads, none twice, none missed."""
+    steps_before, steps_after, global_batch = 3, 4, 4
+    total = (steps_before + steps_after) * global_batch
+    uninterrupted = sorted(
+        row for r in range(2) for row in _rows(_loader(jsonl, r, 2, 2), steps_before + steps_after)
+    )
+    before = [_loader(jsonl, r, 2, 2, workers) for r in range(2)]
+    its = [iter(loader) for loader in before]
+    consumed = []
+    for _ in range(steps_before):
+        for it in its:
+            x, y = next(it)
+            consumed += [_windows_to_stream([(x[i], y[i])]) for i in range(x.shape[0])]
+    states = [loader.state_dict() for loader in before]
+    assert states[0] == states[1] and set(states[0]) == {"data_stream", "world_size"}
+    state = pickle.loads(pickle.dumps(states[0]))
+    for world in (1, 4):
+        after = []
+        for rank in range(world):
+            loader = _loader(jsonl, rank, world, global_batch // world, workers)
+            loader.load_state_dict(state)
+            after += _rows(loader, steps_after)
+        rows = consumed + after
+        assert len(rows) == total and sorted(rows) == uninterrupted, f"dp 2 -> {world}"
+        assert len({tuple(r) for r in rows}) == total  # no sequence twice
+        assert sorted(rows) == sorted(_global_stream(jsonl, total))
+
+
+def test_dataloader_state_errors_and_empty_state(jsonl):
+    with pytest.raises(ValueError, match=r"no data stream position .*older torchtitan"):
+        _loader(jsonl).load_state_dict({"dp_rank_0": b"", "world_size": 2})
+    saved = _loader(jsonl)
     next(iter(saved))
-    state = saved.state_dict()
-    with pytest.raises(ValueError) as e:
-        make(0, 4).load_state_dict(state)
-    msg = str(e.value)
-    assert "changed from 2 to 4" in msg and "--checkpoint.exclude_from_loading dataloader" in msg
-    with pytest.raises(ValueError, match=r"no entry for dp_rank_1"):
-        make(1, 2).load_state_dict(state)
-    fresh = make(0, 2)
+    other = type("OtherTokenizer", (CharTokenizer,), {})()
+    with pytest.raises(ValueError, match=r"tokenized by CharTokenizer:300:1:2, this run uses Other"):
+        _loader(jsonl, tokenizer=other).load_state_dict(saved.state_dict())
+    fresh = _loader(jsonl)
     fresh.load_state_dict({})  # nothing saved: start from the beginning
-    assert torch.equal(next(iter(fresh))[0], next(iter(make(0, 2)))[0])
+    assert torch.equal(next(iter(fresh))[0], next(iter(_loader(jsonl)))[0])
 
 
 def test_dataloader_options(jsonl):

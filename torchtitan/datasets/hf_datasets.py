@@ -1,17 +1,14 @@
-"""Text datasets: a registry (c4, c4_test, c4_validation, ...) and a packed, DP-sharded, Stateful
-token dataset over HF ``datasets``.
+"""Packed, Stateful text data for one data-parallel rank, and its dataloader.
 
-Documents are tokenized with BOS and EOS, concatenated into a token buffer and cut into
-non-overlapping windows of ``seq_len + 1`` tokens; each window gives ``input = w[:-1]`` and
-``labels = w[1:]``. See docs/datasets.md.
+Documents are tokenized with BOS and EOS, concatenated and cut into non-overlapping windows of
+``seq_len + 1`` tokens (``input = w[:-1]``, ``labels = w[1:]``); the windows form one global
+stream that the data-parallel ranks share out sequence by sequence, so its position is the same
+for every layout (packing.py). Sources and the registry: sources.py; mixes: mix.py.
+See docs/datasets.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +16,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.datasets import text_checks
+from torchtitan.datasets.mix import SourceSpec, parse_dataset_spec
+from torchtitan.datasets.packing import DocumentSource, PackedStream, SequenceStream
+from torchtitan.datasets.sources import (
+    DATASETS,
+    DatasetConfig,
+    load_text_dataset,
+    resolve_dataset,
+)
 
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
@@ -34,202 +38,31 @@ __all__ = [
     "resolve_dataset",
 ]
 
-logger = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True)
-class DatasetConfig:
-    """How to load one dataset."""
-
-    path: str
-    """HF Hub dataset id (e.g. ``allenai/c4``), or a local file/folder when ``local``."""
-
-    local: bool = False
-    """``path`` is on disk (relative paths resolve against the repo root, then the CWD)."""
-
-    hf_name: str | None = None
-    """HF dataset config name (e.g. ``en`` for C4)."""
-
-    split: str = "train"
-    """Split to read (local files always load as ``train``)."""
-
-    streaming: bool = False
-    """Read lazily as an HF ``IterableDataset`` instead of a map-style Arrow dataset."""
-
-    text_column: str = "text"
-    """Column holding each document's text."""
-
-
-DATASETS: dict[str, DatasetConfig] = {
-    "c4": DatasetConfig(path="allenai/c4", hf_name="en", split="train", streaming=True),
-    "c4_validation": DatasetConfig(
-        path="allenai/c4", hf_name="en", split="validation", streaming=True
-    ),
-    "c4_test": DatasetConfig(path="tests/assets/c4_test/data.json", local=True),
-    "c4_test_validation": DatasetConfig(path="tests/assets/c4_test/validation.json", local=True),
-}
-
-# File suffix -> HF packaged builder.
-_SUFFIX_BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".json.gz": "json",
-    ".jsonl.gz": "json",
-    ".parquet": "parquet",
-    ".txt": "text",
-}
-
-
-def _builder_for(path: Path) -> str | None:
-    name = path.name.lower()
-    for suffix in sorted(_SUFFIX_BUILDERS, key=len, reverse=True):
-        if name.endswith(suffix):
-            return _SUFFIX_BUILDERS[suffix]
-    return None
-
-
-def resolve_dataset(dataset_name: str, dataset_path: str | None = None) -> DatasetConfig:
-    """The loading config for ``dataset_name``, with ``dataset_path`` (a local path) overriding it.
-
-    A registered name keeps its options (e.g. C4 stays streaming) with the path swapped;
-    an unregistered name needs ``dataset_path``, else ``ValueError`` lists the known names.
-    """
-    if dataset_path:
-        base = DATASETS.get(dataset_name, DatasetConfig(path=dataset_path))
-        return replace(base, path=dataset_path, local=True, hf_name=None, split="train")
-    if dataset_name not in DATASETS:
-        raise ValueError(
-            f"Unknown dataset {dataset_name!r}: use one of {sorted(DATASETS)} "
-            "or give a local file/folder with --training.dataset_path."
-        )
-    return DATASETS[dataset_name]
-
-
-def _local_path(cfg: DatasetConfig, dataset_name: str) -> Path:
-    """The on-disk path of a local dataset.
-
-    A registry entry's own path is relative to the repo root; a user's ``dataset_path`` is
-    relative to the CWD, falling back to the repo root.
-    """
-    path = Path(cfg.path).expanduser()
-    entry = DATASETS.get(dataset_name)
-    if entry is not None and entry.local and cfg.path == entry.path:
-        full = path if path.is_absolute() else REPO_ROOT / path
-        if not full.exists():
-            raise FileNotFoundError(
-                f"Dataset {dataset_name!r} expects {full}, which is missing: "
-                "run `python scripts/generate_test_assets.py` to regenerate the test assets."
-            )
-        return full
-    if path.exists():
-        return path
-    if not path.is_absolute() and (REPO_ROOT / path).exists():
-        return REPO_ROOT / path
-    raise FileNotFoundError(
-        f"Dataset path {cfg.path} does not exist: fix --training.dataset_path "
-        "(or --validation.dataset_path)."
-    )
-
-
-@contextlib.contextmanager
-def _no_download_count():
-    """Keep HF ``datasets`` from pinging its servers (a download counter) for local files."""
-    import datasets.config as hf_config
-
-    old = hf_config.HF_UPDATE_DOWNLOAD_COUNTS
-    hf_config.HF_UPDATE_DOWNLOAD_COUNTS = False
-    try:
-        yield
-    finally:
-        hf_config.HF_UPDATE_DOWNLOAD_COUNTS = old
-
-
-def _load_local(path: Path, streaming: bool, column: str = "text"):
-    import datasets
-
-    if path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
-        ds = datasets.load_from_disk(str(path))  # written by Dataset.save_to_disk
-        return ds.to_iterable_dataset() if streaming else ds
-    if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and _builder_for(p)
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        if not files:
-            raise FileNotFoundError(
-                f"Dataset folder {path} holds no .json/.jsonl/.parquet/.txt files."
-            )
-    else:
-        files = [path]
-    builders = {_builder_for(f) for f in files}
-    if None in builders:
-        raise ValueError(
-            f"Dataset file {path} is not .json/.jsonl(.gz), .parquet or .txt; convert it to one."
-        )
-    if len(builders) > 1:
-        raise ValueError(
-            f"Dataset folder {path} mixes file formats ({sorted(builders)}); keep one format."
-        )
-    text_checks.check_not_empty(files)
-    try:
-        with _no_download_count():
-            ds = datasets.load_dataset(
-                builders.pop(), data_files=[str(f) for f in files], split="train", streaming=streaming
-            )
-    except Exception as err:  # noqa: BLE001 - HF/pyarrow errors are many lines: name the bad line
-        raise text_checks.explain_load_failure(files, column, err) from None
-    text_checks.check_text_feature(ds, files, column, str(path))
-    return ds
-
-
-def load_text_dataset(cfg: DatasetConfig, dataset_name: str = ""):
-    """Load ``cfg`` with HF ``datasets``: a ``Dataset``, or an ``IterableDataset`` when streaming."""
-    if cfg.local:
-        ds = _load_local(_local_path(cfg, dataset_name), cfg.streaming, cfg.text_column)
-    else:
-        import datasets
-
-        ds = datasets.load_dataset(
-            cfg.path, name=cfg.hf_name, split=cfg.split, streaming=cfg.streaming
-        )
-    columns = getattr(ds, "column_names", None)
-    if columns is not None and cfg.text_column not in columns:
-        raise ValueError(
-            f"Dataset {dataset_name or cfg.path} has no {cfg.text_column!r} column "
-            f"(columns: {columns}); each document's text must be in {cfg.text_column!r}."
-        )
-    return ds
-
-
-def _shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, end)`` of rank's contiguous block when n documents split over world_size ranks."""
-    size, extra = divmod(n, world_size)
-    start = rank * size + min(rank, extra)
-    return start, start + size + (1 if rank < extra else 0)
-
 
 def _worker() -> tuple[int, int]:
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+def tokenizer_fingerprint(tokenizer: BaseTokenizer) -> str:
+    """What the saved token buffers depend on: the tokenizer's kind, size and BOS/EOS."""
+    return f"{type(tokenizer).__name__}:{tokenizer.vocab_size}:{tokenizer.bos_id}:{tokenizer.eos_id}"
+
+
 class HuggingFaceTextDataset(IterableDataset, Stateful):
-    """Packed next-token-prediction samples ``(input_ids, labels)``, each ``LongTensor[seq_len]``.
+    """This data-parallel rank's packed samples ``(input_ids, labels)``, ``LongTensor[seq_len]``.
 
-    The documents are split across ``dp_world_size`` ranks (contiguous blocks for map-style
-    datasets; HF's ``split_dataset_by_node`` for streaming ones) and, inside a rank, across
-    dataloader workers (every ``num_workers``-th document). ``infinite=True`` re-loops forever;
-    ``infinite=False`` makes one pass per ``iter()`` (each new ``iter()`` starts a fresh pass,
-    unless a state was just loaded). ``state_dict()`` after k samples, loaded into a fresh dataset,
-    makes it yield exactly samples k, k+1, ... of an uninterrupted run.
+    All ranks walk one global stream of packed sequences (``packing.SequenceStream``, over one
+    dataset or a weighted mix, see ``mix.py``); counted from the position ``g`` it starts at,
+    rank ``r`` of ``N`` takes sequences ``g + r, g + r + N, ...``, ``batch_size`` at a time, and
+    dataloader worker ``w`` of ``W`` makes this rank's batches ``w, w + W, ...``. After the last
+    sample of each batch the stream is moved to the end of that *global* batch, so
+    ``state_dict()`` there is one value for all ranks: the stream's position, from which any
+    number of ranks, workers or batch size resumes exactly (docs/datasets.md).
+
+    ``infinite=True`` re-loops forever; ``infinite=False`` makes one pass per ``iter()`` (each
+    new ``iter()`` starts a fresh pass, unless a state was just loaded).
     """
-
-    _BATCH_DOCS = 64  # documents read from a map-style dataset at a time
 
     def __init__(
         self,
@@ -241,161 +74,95 @@ class HuggingFaceTextDataset(IterableDataset, Stateful):
         dp_world_size: int = 1,
         infinite: bool = True,
         dataset_config: DatasetConfig | None = None,
+        batch_size: int = 1,
+        seed: int = 0,
     ):
-        import datasets
-        from datasets.distributed import split_dataset_by_node
-
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}.")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_world_size}).")
+        if batch_size < 1:
+            raise ValueError(f"local batch size must be >= 1, got {batch_size}.")
         self.dataset_name = dataset_name
-        self.cfg = dataset_config or resolve_dataset(dataset_name, dataset_path)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
+        self.batch_size = batch_size
         self.infinite = infinite
-
-        ds = load_text_dataset(self.cfg, dataset_name)
-        self._streaming = isinstance(ds, datasets.IterableDataset)
-        if self._streaming:
-            self._data = split_dataset_by_node(ds, rank=dp_rank, world_size=dp_world_size)
-        else:  # this rank's contiguous block of documents
-            self._shard = _shard_bounds(len(ds), dp_rank, dp_world_size)
-            self._data = ds.select_columns([self.cfg.text_column])
-
-        # Position (the whole state): epoch, documents this worker consumed in the epoch, leftover
-        # tokens, and HF's own position for streaming datasets.
-        self._epoch = 0
-        self._docs_consumed = 0
-        self._token_buffer: list[int] = []
-        self._hf_state: dict | None = None
-        self._hf_live = False  # self._data's state reflects this epoch's iteration
+        self.seed = seed
+        if dataset_config is not None:
+            specs = [SourceSpec(dataset_name, None, 1.0)]
+            configs = [dataset_config]
+        else:
+            specs = parse_dataset_spec(dataset_name, dataset_path)
+            configs = [resolve_dataset(s.name, s.path) for s in specs]
+        self.cfg = configs[0]
+        self.sources = [
+            DocumentSource(s.name, c, tokenizer, infinite, dp_rank) for s, c in zip(specs, configs)
+        ]
+        self.weights = {s.name: s.weight for s in specs}
+        self._fingerprint = tokenizer_fingerprint(tokenizer)
+        self._base: dict[str, Any] | None = None  # the position the next iter() starts from
+        self._stream: SequenceStream | None = None  # the stream being iterated (this process)
         self._resume_pending = False
 
-    # -- documents ------------------------------------------------------------------------------
-
-    def _iter_docs_map(self):
-        worker_id, num_workers = _worker()
-        start, end = self._shard
-        col = self.cfg.text_column
-        while True:
-            first = start + worker_id + self._docs_consumed * num_workers
-            if first >= end:
-                return
-            idxs = list(range(first, min(end, first + self._BATCH_DOCS * num_workers), num_workers))
-            for text in self._data[idxs][col]:
-                self._docs_consumed += 1
-                yield text
-
-    def _iter_docs_streaming(self):
-        # HF's own epoch stays 0 (same shard order every pass; set_epoch would write a tensor
-        # shared by all workers): our epoch counter is separate, and a new pass clears HF's state.
-        data = self._data
-        if self._hf_state is not None:
-            data.load_state_dict(self._hf_state)
-        else:
-            data.load_state_dict({})  # falsy: no resume, start the pass from its beginning
-        self._hf_live = True
-        col = self.cfg.text_column
-        for example in data:
-            self._docs_consumed += 1
-            if col not in example:
-                raise ValueError(
-                    f"Dataset {self.dataset_name} has no {col!r} field (fields: {sorted(example)})."
-                )
-            yield example[col]
-
-    def _iter_docs(self):
-        return self._iter_docs_streaming() if self._streaming else self._iter_docs_map()
-
-    # -- samples --------------------------------------------------------------------------------
-
-    def _reset_position(self) -> None:
-        self._epoch, self._docs_consumed, self._token_buffer = 0, 0, []
-        self._hf_state, self._hf_live = None, False
+    def _new_stream(self) -> SequenceStream:
+        for source in self.sources:
+            source.reset()
+        stream = SequenceStream(
+            {s.name: PackedStream(s, self.seq_len + 1) for s in self.sources},
+            self.weights,
+            self.seed,
+        )
+        if self._base is not None:
+            stream.load_state_dict(self._base)
+        return stream
 
     def __iter__(self):
         if not self.infinite and not self._resume_pending:
-            self._reset_position()
+            self._base = None
         self._resume_pending = False
-        window = self.seq_len + 1
+        stream = self._stream = self._new_stream()
+        worker_id, num_workers = _worker()
+        n, r, size = self.dp_world_size, self.dp_rank, self.batch_size
+        first, batch = stream.position, worker_id
         while True:
-            while len(self._token_buffer) >= window:
-                yield self._pop_window(window)
-            whole_pass = self._docs_consumed == 0
-            tokens = skipped = 0
-            for text in self._iter_docs():
-                if not isinstance(text, str) or not text or text.isspace():
-                    if text is not None and not isinstance(text, str):
-                        raise text_checks.bad_document(
-                            self.dataset_name, self._docs_consumed - 1, self.cfg.text_column, text
-                        )
-                    skipped += 1
-                    continue
-                ids = self.tokenizer.encode(text, bos=True, eos=True)
-                tokens += len(ids)
-                self._token_buffer.extend(ids)
-                while len(self._token_buffer) >= window:
-                    yield self._pop_window(window)
-            if skipped and whole_pass and self._epoch == 0:  # once: later passes repeat it
-                logger.warning(
-                    "Dataset %s: skipped %d empty or missing texts of %d in a pass (dp rank %d).",
-                    self.dataset_name, skipped, self._docs_consumed, self.dp_rank,
-                )
-            if whole_pass and tokens == 0 and self._docs_consumed > 0:
-                raise text_checks.empty_pass(
-                    self.dataset_name, self.cfg.path, self._docs_consumed, self.dp_rank
-                )
-            if self._docs_consumed == 0:  # this rank/worker has no documents at all
-                worker_id, num_workers = _worker()
-                if num_workers > 1 or not self.infinite:
-                    logger.warning(
-                        "Dataset %s: dp rank %d, worker %d of %d got no documents.",
-                        self.dataset_name,
-                        self.dp_rank,
-                        worker_id,
-                        num_workers,
-                    )
+            start = first + batch * size * n  # this rank's batch `batch` lies in [start, start+size*n)
+            for i in range(size):
+                if not stream.advance_to(start + i * n + r):
                     return
-                raise ValueError(
-                    f"Dataset {self.dataset_name} has no documents for dp rank {self.dp_rank} "
-                    f"of {self.dp_world_size}; use a larger dataset or fewer data-parallel ranks."
-                )
-            if not self.infinite:
-                logger.info(
-                    "Dataset %s: end of data (dp rank %d).", self.dataset_name, self.dp_rank
-                )
-                return
-            self._epoch += 1
-            self._docs_consumed = 0
-            self._hf_state, self._hf_live = None, False
-            logger.info("Dataset %s is re-looping (epoch %d).", self.dataset_name, self._epoch)
-
-    def _pop_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.tensor(self._token_buffer[:window], dtype=torch.long)
-        del self._token_buffer[:window]
-        return tokens[:-1], tokens[1:]
+                window = stream.next()
+                if window is None:
+                    return
+                if i == size - 1:  # the end of the global batch: the state all ranks share
+                    stream.advance_to(start + size * n)
+                tokens = torch.tensor(window, dtype=torch.long)
+                yield tokens[:-1], tokens[1:]
+            batch += num_workers
 
     # -- Stateful -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "epoch": self._epoch,
-            "docs_consumed": self._docs_consumed,
-            "token_buffer": list(self._token_buffer),
-        }
-        if self._streaming:
-            state["hf_state"] = self._data.state_dict() if self._hf_live else self._hf_state
+        """The global stream's position (``"position"``: sequences consumed by all ranks)."""
+        if self._stream is not None:
+            state = self._stream.state_dict()
+        elif self._base is not None:
+            state = dict(self._base)
+        else:
+            state = self._new_stream().state_dict()
+        state["tokenizer"] = self._fingerprint
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._epoch = int(state_dict["epoch"])
-        self._docs_consumed = int(state_dict["docs_consumed"])
-        self._token_buffer = list(state_dict["token_buffer"])
-        self._hf_state = state_dict.get("hf_state")
-        self._hf_live = False
+        saved = state_dict.get("tokenizer")
+        if saved is not None and saved != self._fingerprint:
+            raise ValueError(
+                f"the data stream was tokenized by {saved}, this run uses {self._fingerprint}; "
+                "its buffered tokens do not fit"
+            )
+        self._base = dict(state_dict)
+        self._stream = None
         self._resume_pending = True
 
 
@@ -414,9 +181,11 @@ def build_text_dataloader(
     dp_world_size: int,
     infinite: bool = True,
     dataloader_config: DataLoader | None = None,
+    seed: int = 0,
 ) -> ParallelAwareDataloader:
     """A Stateful dataloader yielding ``(input_ids, labels)``, ``LongTensor[local_batch_size, seq_len]``.
 
+    ``dataset_name`` is a dataset or a mix (``"a:0.7,b=/path:0.3"``, drawn with ``seed``).
     With ``infinite=False`` the last batch of a pass may hold fewer than ``local_batch_size`` rows.
     """
     dataset = HuggingFaceTextDataset(
@@ -427,6 +196,8 @@ def build_text_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
+        batch_size=local_batch_size,
+        seed=seed,
     )
     return ParallelAwareDataloader(
         dataset,

@@ -321,9 +321,8 @@ def _drop_absent_optional(obj: Stateful, state_name: str, meta: Mapping[str, Any
 
 def dataloader_mismatch(name: str, detail: str) -> str:
     return (
-        f"{name}: the dataloader state was saved with a different data-parallel layout "
-        f"({detail}); resume with --checkpoint.exclude_from_loading dataloader to restart the "
-        "data stream, or use the original data-parallel degree"
+        f"{name}: the saved dataloader state does not fit this run ({detail}); resume with "
+        "--checkpoint.exclude_from_loading dataloader to restart the data stream"
     )
 
 
