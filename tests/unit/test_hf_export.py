@@ -101,7 +101,8 @@ def test_export_loads_in_transformers_and_generate_stops_at_eos(trained):
     assert (config["bos_token_id"], config["eos_token_id"]) == (ours.bos_id, ours.eos_id)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
-    assert model.generation_config.eos_token_id == [ours.eos_id, ours.eot_id]
+    # Llama 3.1 stops at EOS, <|eot_id|> and <|eom_id|> (as Meta's generation_config)
+    assert model.generation_config.eos_token_id == [ours.eos_id, ours.eot_id, ours.eom_id]
     prompt = tok("hello world", return_tensors="pt")
     n = prompt["input_ids"].shape[1]
     for stop in (ours.eot_id, ours.eos_id):

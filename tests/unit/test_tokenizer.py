@@ -70,7 +70,13 @@ def test_tiktoken_vocab_and_special_ids(tik):
     assert tik.special_tokens["<|start_header_id|>"] == 2006
     assert tik.special_tokens["<|end_header_id|>"] == 2007
     assert tik.eot_id == tik.special_tokens["<|eot_id|>"] == 2009
-    assert tik.special_tokens["<|reserved_special_token_250|>"] == 2255
+    # Llama 3.1's names, not reserved placeholders
+    assert tik.special_tokens["<|finetune_right_pad_id|>"] == 2004
+    assert tik.eom_id == tik.special_tokens["<|eom_id|>"] == 2008
+    assert tik.python_tag_id == tik.special_tokens["<|python_tag|>"] == 2010
+    assert tik.special_tokens["<|reserved_special_token_2|>"] == 2012
+    assert tik.special_tokens["<|reserved_special_token_245|>"] == 2255
+    assert len(set(LLAMA3_SPECIAL_TOKENS)) == 256
     assert tik.pad_id == -1
 
 

@@ -14,6 +14,15 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchtitan.components.tokenizer_files import (  # noqa: F401 - re-exported
+    HF_ORGS,
+    LLAMA_MODELS_TOKENIZER,
+    _tokenizer_file,
+    download_hint,
+    hf_repo_for,
+    tokenizer_file,
+)
+
 if TYPE_CHECKING:
     from torchtitan.config.job_config import Model
 
@@ -36,19 +45,27 @@ LLAMA3_PAT_STR = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _NUM_RESERVED_SPECIAL_TOKENS = 256
-# Llama 3's 256 special tokens, appended after the regular ranks (ids num_base .. num_base + 255).
-LLAMA3_SPECIAL_TOKENS: list[str] = [
+# Llama 3.1's 256 special tokens (names as in Meta's llama-models), appended after the regular
+# ranks (ids num_base .. num_base + 255): 128000 BOS, 128001 EOS, 128004 pad, 128008 eom,
+# 128009 eot, 128010 python_tag ... for the real 128,000-rank file.
+_LLAMA31_NAMED = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
     "<|reserved_special_token_1|>",
-    "<|reserved_special_token_2|>",
-    "<|reserved_special_token_3|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
     "<|start_header_id|>",
     "<|end_header_id|>",
-    "<|reserved_special_token_4|>",
-    "<|eot_id|>",
-] + [f"<|reserved_special_token_{i}|>" for i in range(5, _NUM_RESERVED_SPECIAL_TOKENS - 5)]
+    "<|eom_id|>",  # end of message
+    "<|eot_id|>",  # end of turn
+    "<|python_tag|>",
+    "<|image|>",
+]
+LLAMA3_SPECIAL_TOKENS: list[str] = _LLAMA31_NAMED + [
+    f"<|reserved_special_token_{2 + i}|>"
+    for i in range(_NUM_RESERVED_SPECIAL_TOKENS - len(_LLAMA31_NAMED))
+]
 
 # tiktoken's Rust core can overflow its stack on huge inputs or very long runs without whitespace.
 _TIKTOKEN_MAX_ENCODE_CHARS = 400_000
@@ -116,9 +133,11 @@ def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
 
 
 class TikTokenTokenizer(BaseTokenizer):
-    """Llama 3 tokenizer: a tiktoken byte-level BPE ranks file plus Llama 3's 256 special tokens.
+    """Llama 3 tokenizer: a tiktoken byte-level BPE ranks file plus Llama 3.1's 256 special
+    tokens (``eot_id``, ``eom_id``, ``python_tag_id`` are attributes).
 
-    BOS is ``<|begin_of_text|>``, EOS ``<|end_of_text|>``; there is no pad token (``pad_id`` -1).
+    BOS is ``<|begin_of_text|>``, EOS ``<|end_of_text|>``; ``pad_id`` is -1 (pretraining packs,
+    never pads; ``<|finetune_right_pad_id|>`` is a named special token like the others).
     Special-token strings inside the text are encoded as plain text, never as special ids.
     """
 
@@ -139,6 +158,8 @@ class TikTokenTokenizer(BaseTokenizer):
         self._bos_id = self.special_tokens["<|begin_of_text|>"]
         self._eos_id = self.special_tokens["<|end_of_text|>"]
         self.eot_id = self.special_tokens["<|eot_id|>"]
+        self.eom_id = self.special_tokens["<|eom_id|>"]
+        self.python_tag_id = self.special_tokens["<|python_tag|>"]
 
     @property
     def vocab_size(self) -> int:
@@ -327,79 +348,6 @@ def detect_tokenizer_kind(path: str | Path) -> str:
         f"Tokenizer file {path} is neither a tiktoken ranks file, a sentencepiece model "
         "nor a HF tokenizer.json."
     )
-
-
-def _resolve(path_str: str) -> Path:
-    """``path_str`` as given; a relative path missing from the CWD falls back to the repo root."""
-    path = Path(path_str).expanduser()
-    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
-        return REPO_ROOT / path
-    return path
-
-
-_ASSET_FILES = ("tokenizer.model", "tokenizer.json", "original/tokenizer.model")
-
-
-def _find_in_folder(folder: Path, key: str) -> Path:
-    for name in _ASSET_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    raise FileNotFoundError(
-        f"No tokenizer.model or tokenizer.json in {folder} ({key}); "
-        f"point {key} at a folder that holds one."
-    )
-
-
-def _tokenizer_file(model_cfg: Model) -> Path:
-    if model_cfg.tokenizer_path:
-        path = _resolve(model_cfg.tokenizer_path)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Tokenizer file {model_cfg.tokenizer_path} does not exist: fix "
-                "model.tokenizer_path, or unset it to use model.hf_assets_path."
-            )
-        return _find_in_folder(path, "model.tokenizer_path") if path.is_dir() else path
-    if not model_cfg.hf_assets_path:
-        raise FileNotFoundError(
-            "No tokenizer configured: set model.hf_assets_path to a folder holding tokenizer.model."
-        )
-    folder = _resolve(model_cfg.hf_assets_path)
-    if not folder.exists():
-        raise FileNotFoundError(
-            f"Tokenizer folder {model_cfg.hf_assets_path} does not exist: "
-            f"{download_hint(model_cfg.hf_assets_path)}, or set model.hf_assets_path to a "
-            "folder holding tokenizer.model or tokenizer.json"
-        )
-    return _find_in_folder(folder, "model.hf_assets_path") if folder.is_dir() else folder
-
-
-HF_ORGS = {"Llama-": "meta-llama", "DeepSeek-": "deepseek-ai"}
-"""Folder-name prefix -> HF organisation, for the bundled configs' ``./assets/hf/<repo>``."""
-
-
-def hf_repo_for(folder_name: str) -> str:
-    """``org/name`` of the HF repo the bundled configs download into ``./assets/hf/<name>``
-    (``<org>/<model>`` for unknown names)."""
-    for prefix, org in HF_ORGS.items():
-        if folder_name.startswith(prefix):
-            return f"{org}/{folder_name}"
-    return "<org>/<model>"
-
-
-def download_hint(hf_assets_path: str) -> str:
-    """How to fetch the tokenizer into ``hf_assets_path`` (see :func:`hf_repo_for`)."""
-    repo = hf_repo_for(Path(hf_assets_path).name)
-    return (
-        f"download it with `hf download {repo} --include '*tokenizer*' --local-dir "
-        f"{hf_assets_path}` (gated: accept the license on huggingface.co and run "
-        "`hf auth login` first)"
-    )
-
-
-def tokenizer_file(model_cfg: Model) -> Path:
-    """The tokenizer file ``build_tokenizer`` would read; FileNotFoundError (one line naming
-    the key to fix and how to get the file) when there is none."""
-    return _tokenizer_file(model_cfg)
 
 
 def build_tokenizer(model_cfg: Model) -> BaseTokenizer:
