@@ -104,6 +104,7 @@ def dataloader_factory(
             dp_world_size=dp_world_size,
             infinite=infinite,
             dataloader_config=cfg.training.dataloader,
+            seed=cfg.debug.seed or 0,  # a dataset mix's draws (0 when the seed is unset)
         )
 
     return build

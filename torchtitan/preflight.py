@@ -148,6 +148,17 @@ def _check_files(cfg: JobConfig) -> None:
     ):
         if path and not os.path.exists(os.path.expanduser(path)):
             raise FileNotFoundError(f"{key}={path!r} does not exist: fix --{key}")
+    from torchtitan.datasets.mix import parse_dataset_spec
+
+    sections = [("training.dataset", cfg.training)]
+    if cfg.validation.enable:
+        sections.append(("validation.dataset", cfg.validation))
+    for key, section in sections:  # a mix's own NAME=PATH entries
+        for source in parse_dataset_spec(section.dataset, section.dataset_path, key):
+            if source.path and section.dataset_path is None and not os.path.exists(
+                os.path.expanduser(source.path)
+            ):
+                raise FileNotFoundError(f"{key}: {source.name}={source.path} does not exist")
 
 
 def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool = True,

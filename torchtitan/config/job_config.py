@@ -175,7 +175,9 @@ class DataLoader:
 @dataclass
 class Training:
     dataset: str = "c4_test"
-    """Dataset name from the registry (c4, c4_test, c4_validation) or any name with dataset_path."""
+    """Dataset name from the registry (c4, c4_test, c4_validation) or any name with dataset_path;
+    or a mix of weighted sources "NAME[=PATH]:WEIGHT,..." (e.g. "c4_test:0.7,mine=/d.jsonl:0.3",
+    drawn per packed sequence with debug.seed; docs/datasets.md)."""
 
     dataset_path: str | None = None
     """Local path (file or folder: json/jsonl/parquet/txt) to load the dataset from."""

@@ -128,6 +128,7 @@ def validate(cfg: Any) -> None:
             "activation_checkpoint.debug records the ops of eager blocks; compiled blocks run "
             "none of them one by one: turn compile off (--compile.no_enable) to debug AC"
         )
+    _check_dataset_specs(cfg)
     dl = cfg.training.dataloader
     if dl.num_workers == 0:
         for name in ("persistent_workers", "prefetch_factor"):
@@ -135,6 +136,17 @@ def validate(cfg: Any) -> None:
                 raise ConfigError(
                     f"training.dataloader.{name} needs training.dataloader.num_workers > 0"
                 )
+
+
+def _check_dataset_specs(cfg: Any) -> None:
+    """``training.dataset`` / ``validation.dataset``: a name or a mix ``NAME[=PATH]:WEIGHT,...``."""
+    from torchtitan.datasets.mix import parse_dataset_spec
+
+    for key, section in (("training.dataset", cfg.training), ("validation.dataset", cfg.validation)):
+        try:
+            parse_dataset_spec(section.dataset, section.dataset_path, key)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 _UNKNOWN = unknown_rule_keys(CHECKS)
