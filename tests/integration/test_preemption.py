@@ -3,14 +3,17 @@
 * one process: a SIGTERM in the middle of a step aborts it at once; the last *completed* step
   is saved (with the data position and RNG from before the aborted step) and the resumed run is
   bitwise the run that never stopped (in-process, the signal sent from inside step 3's forward);
-* two gloo ranks under ``torchtitan.launch`` (what ./run_train.sh runs) with torchrun's grace
-  cut to 1 s, steps longer than that: SIGTERM to the launcher reaches the ranks, they finish the
-  step, save and exit 0; the launcher exits 0 with one line and no traceback.
+* two gloo ranks under ``./run_train.sh`` (torchtitan.launch -> torchrun) with torchrun's grace
+  cut to 1 s: SIGTERM to the launcher reaches the ranks, they finish the step, save and exit 0;
+  the launcher exits 0 with one line and no traceback. The same test covers the launcher's
+  death (no orphans) and the one-writer lock, to share the launches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
 import logging
 import os
 import re
@@ -25,7 +28,7 @@ import torch
 import torchtitan.step as step_module
 from tests.conftest import REPO_ROOT
 from torchtitan.config.manager import ConfigManager
-from torchtitan.train import Trainer
+from torchtitan.train import Trainer, main
 
 FLAGS = [
     "--job.config_file", "./train_configs/debug_model.toml",
@@ -117,28 +120,126 @@ def test_sigterm_mid_step_saves_the_last_completed_step_and_resumes_exactly(tmp_
         assert loss == straight.losses[step], (step, loss, straight.losses[step])  # bitwise
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = open(f"/proc/{name}/stat").read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def _main_here(dump: Path, *flags: str) -> tuple[int, list[str]]:
+    lines: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    titan = logging.getLogger("torchtitan")
+    handler = H(logging.INFO)
+    titan.addHandler(handler)
+    try:
+        code = main([*flags, "--job.dump_folder", str(dump)])
+    finally:
+        titan.removeHandler(handler)
+        gc.enable()
+    return code, lines
+
+
+def _steps(folder: Path) -> list[int]:
+    return sorted(int(n.split("-")[1]) for n in os.listdir(folder) if n.startswith("step-") and "." not in n)
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG_FILE", "LOG_RANK")}
-    env.update(NGPU="2", CUDA_VISIBLE_DEVICES="", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", OMP_NUM_THREADS="1")
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_launcher_sigterm_exits_0_and_kill9_leaves_no_orphan_nor_second_writer(tmp_path, cpu_env):
+    """Items 7 and 6 with two launches of ``./run_train.sh`` (two gloo ranks):
+
+    1. while it trains, a second job on the same folder is refused, naming the holder (lock);
+    2. SIGTERM to the launcher (torchrun's grace cut to 1 s): the ranks save and exit 0; the
+       launcher exits 0 with one line and no traceback;
+    3. the rerun resumes; ``kill -9`` of its launcher: both ranks are gone within 5 s;
+    4. a restart takes over the dead job's lock with a warning and resumes.
+    """
+    env = {**cpu_env, "NGPU": "2", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1", "OMP_NUM_THREADS": "1"}
     flags = [f for f in FLAGS if f != "--debug.deterministic"]
-    flags[flags.index("--training.steps") + 1] = "40"
-    cmd = ["./run_train.sh", *flags, "--training.global_batch_size", "96", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, sent = [], None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        lines.append(line)
-        if "step:  2" in line and sent is None:
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGTERM)  # the launcher (run_train.sh execs it)
-        assert time.monotonic() < deadline, "".join(lines[-20:])
-    proc.wait(timeout=60)
-    out = "".join(lines)
-    assert proc.returncode == 0, out[-3000:]
-    assert "torchtitan.launch: SIGTERM: asking 2 rank(s) to save a checkpoint and stop" in out
-    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
-    (saved,) = os.listdir(tmp_path / "checkpoint")
-    k = int(saved.split("-")[1])
-    assert 2 <= k < 40 and f"Stopping after step {k} on SIGTERM (checkpoint written" in out
-    assert re.search(r"checkpoint written [\d.]+ s after the signal", out)  # torchrun's 1 s grace unused
+    flags[flags.index("--training.steps") + 1] = "100000"
+    flags[flags.index("--checkpoint.interval") + 1] = "2"
+    folder = tmp_path / "checkpoint"
+    cmd = ["./run_train.sh", *flags, "--job.dump_folder", str(tmp_path)]
+
+    def steps(n: int) -> list[str]:  # the same flags, n steps
+        out = list(flags)
+        out[out.index("--training.steps") + 1] = str(n)
+        return out
+
+    def launch() -> subprocess.Popen:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def wait_for(proc: subprocess.Popen, needle: str, lines: list[str]) -> None:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if needle in line:
+                return
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+        raise AssertionError(f"no {needle!r}: " + "".join(lines[-20:]))
+
+    first, second, lines = launch(), None, []
+    try:
+        wait_for(first, "saved checkpoint step-2", lines)
+        holder = json.loads((folder / ".writer.lock").read_text())
+        assert holder["pid"] in _children(first.pid)
+        code, log = _main_here(tmp_path, *steps(3))
+        errors = [m for m in log if m.startswith("error:")]
+        assert code == 2 and len(errors) == 1, log[-5:]
+        assert f"is in use by another job (pid {holder['pid']} on host" in errors[0]
+
+        first.send_signal(signal.SIGTERM)  # the launcher: run_train.sh execs it
+        out = "".join(lines) + first.communicate(timeout=120)[0]
+        assert first.returncode == 0, out[-3000:]
+        assert "torchtitan.launch: SIGTERM: asking 2 rank(s) to save a checkpoint and stop" in out
+        assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+        k = int(re.search(r"Stopping after step (\d+) on SIGTERM \(checkpoint written", out).group(1))
+        assert _steps(folder)[-1] == k
+
+        second, lines = launch(), []
+        wait_for(second, f"Training starts at step {k + 1}", lines)
+        ranks = _children(second.pid)
+        assert len(ranks) == 2, ranks
+        second.send_signal(signal.SIGKILL)
+        second.wait(timeout=10)
+        killed = time.monotonic()
+        while any(_running(r) for r in ranks) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        assert not any(_running(r) for r in ranks), "a rank survived its launcher"
+        assert time.monotonic() - killed < 5
+    finally:
+        for proc in (first, second):
+            if proc is None:
+                continue
+            for pid in _children(proc.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+    newest = _steps(folder)[-1]
+    code, log = _main_here(tmp_path, *steps(newest + 1))
+    assert code == 0, log[-5:]
+    assert any(f"taking over the writer lock {folder}/.writer.lock: its holder, pid" in m
+               and "is no longer running" in m for m in log), log
+    assert any(f"Training starts at step {newest + 1}" in m for m in log)
