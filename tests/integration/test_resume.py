@@ -153,7 +153,11 @@ def test_sigterm_saves_and_resumes_exactly(tmp_path, straight):
     stopped = [d for d in _dirs(tmp_path)]
     assert len(stopped) == 1, stopped
     k = int(stopped[0].split("-")[1])
-    assert 3 <= k < STEPS and f"Stopping after step {k} on SIGTERM" in out
+    # the signal lands after step k's work (agreed at its end) or inside step k + 1 (one
+    # process: that step is aborted and step k, the last completed one, is saved)
+    assert 3 <= k < STEPS, out[-3000:]
+    assert (f"Stopping after step {k} on SIGTERM" in out
+            or f"Stopping mid-step {k + 1} on SIGTERM (saved step-{k}, the last completed" in out), out[-3000:]
 
     resumed, log = _train(tmp_path, *flags)
     assert f"Training starts at step {k + 1}" in log
