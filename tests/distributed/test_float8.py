@@ -3,9 +3,8 @@ checkpoint (tests/distributed/trainer_runs.py).
 
 * FSDP2 with float8 all-gather and precomputed scales equals float8 on one device (which
   reads each step's global batch as the same two microbatches the two ranks read, so every
-  dynamic scale is computed from the same tensor): per-step loss and grad norm within
-  rtol/atol 1e-5, fp32 reduction-order noise; a step that rounded one value to a different
-  float8 neighbour would show up far above that.
+  dynamic scale is computed from the same tensor): per-step loss within rtol 1e-6 and grad
+  norm within rtol 3e-5 (fp32 reduction-order noise, :data:`TOL`).
 * TP 2 with float8 (on gloo the plain TP styles: gloo has no float8 dtypes) equals it too.
 * The float8 curve is not the plain one (the conversion acts), yet within 1% of it.
 * Checkpoints are format-neutral: a plain FSDP2 run resumes from the float8 run's checkpoint
@@ -29,7 +28,9 @@ from tests.distributed.trainer_runs import (
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+# Measured (2-core CPU): loss 4e-8 / grad norm 7e-6 relative (FSDP2), loss 1e-7 (TP 2). The
+# loss bound sits 20x under float8's own effect on this tiny model (2.4e-5, plain vs float8).
+TOL = {"loss": dict(rtol=1e-6, atol=1e-6), "grad_norm": dict(rtol=3e-5, atol=1e-6)}
 FLOAT8 = ["--model.converters", "float8", "--float8.emulate"]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 GATHER = ["--float8.enable_fsdp_float8_all_gather",
@@ -137,7 +138,7 @@ def test_fsdp2_float8_all_gather_equals_float8_on_one_device(runs):
     _report("fsdp2 float8 vs one-device float8, loss", f8["loss"], one["loss"])
     _report("fsdp2 float8 vs one-device float8, grad norm", f8["grad_norm"], one["grad_norm"])
     for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(f8[key], one[key], **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(f8[key], one[key], **TOL[key], msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_tp2_float8_equals_float8_on_one_device(runs):
@@ -147,7 +148,7 @@ def test_tp2_float8_equals_float8_on_one_device(runs):
     assert tp2["float8_linears"] == 14
     _report("tp2 float8 vs one-device float8, loss", tp2["loss"], one["loss"])
     for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(tp2[key], one[key], **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(tp2[key], one[key], **TOL[key], msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_float8_tracks_the_plain_curve_but_is_not_it(runs):
