@@ -246,6 +246,11 @@ class Trainer(Stateful):
         self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """torch's CUDA OOM, or the CPU allocator failing (e.g. a large COMM_MODE=local_tensor)."""
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
 def _peer_failure(err: BaseException) -> bool:
     """A collective failed because another rank went away (it reports its own error)."""
     if not dist.is_initialized():
@@ -281,12 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         code = _report(err, 1)
     except Exception as err:
-        if not _peer_failure(err):
+        if _out_of_memory(err):
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            code = _report(
+                f"out of memory ({first}); lower training.local_batch_size or training.seq_len, "
+                "turn on activation checkpointing, or spread the model over more ranks", 1,
+            )
+        elif _peer_failure(err):
+            line = " ".join(str(err).split())[:300]
+            logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")
+            code = 1
+        else:
             record_error(f"{type(err).__name__}: {err}", 1)
             raise
-        line = " ".join(str(err).split())[:300]
-        logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")
-        code = 1
     finally:
         if trainer is not None:
             trainer.close()
@@ -297,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _report(err: BaseException, code: int) -> int:
+def _report(err: BaseException | str, code: int) -> int:
     message = " ".join(str(err).split())
     logger.error(f"error: {message}")
     record_error(message, code)

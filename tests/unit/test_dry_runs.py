@@ -74,13 +74,13 @@ def test_local_tensor_refuses_a_run_that_cannot_fit(monkeypatch, caplog):
     with pytest.raises(ParallelismError) as info:
         COMM_MODES["local_tensor"](16).check_memory(lambda: estimate)
     assert str(info.value).startswith(
-        "COMM_MODE=local_tensor needs about 12.00 GiB (16 simulated ranks x 0.75 GiB, "
-        "estimated) but this machine has 8.0 GiB free"
+        "COMM_MODE=local_tensor needs about 16.00 GiB (16 simulated ranks x 0.75 GiB estimated, "
+        "+25% headroom and 1 GiB for the process) but this machine has 8.0 GiB free"
     )
     with caplog.at_level(logging.INFO, logger="torchtitan"):
-        COMM_MODES["local_tensor"](8).check_memory(lambda: estimate)
-    assert "memory about 6.00 GiB (8 simulated ranks x 0.75 GiB, estimated) of 8.0 GiB free" \
-        in caplog.text
+        COMM_MODES["local_tensor"](6).check_memory(lambda: estimate)
+    assert "memory about 6.62 GiB (6 simulated ranks x 0.75 GiB estimated, +25% headroom and " \
+        "1 GiB for the process) of 8.0 GiB free" in caplog.text
 
 
 def test_only_local_tensor_pays_for_an_estimate():

@@ -169,3 +169,29 @@ def test_context_parallel_rules_are_the_builds():
         check_run(cfg, 2, on_this_machine=False)
     assert check_run(cfg_of("--parallelism.context_parallel_degree", "2"), 2,
                      on_this_machine=False).cp == 2
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 6442450944 bytes. Error code 12"),
+     "cuda"],
+)
+def test_out_of_memory_is_one_line_and_exit_1(monkeypatch, caplog, tmp_path, raised):
+    import torch
+
+    import torchtitan.train as train
+
+    if raised == "cuda":
+        raised = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def trainer(cfg):
+        raise raised
+
+    monkeypatch.setattr(train, "Trainer", trainer)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    assert train.main(["--job.config_file", DEBUG]) == 1
+    errors = [m for m in caplog.messages if m.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: out of memory (")
+    assert "lower training.local_batch_size" in errors[0]
+    assert json.loads((tmp_path / "error.json").read_text())[TRAINER_MARK]["exitcode"] == 1
