@@ -183,9 +183,10 @@ def _raise_on_warning(fn):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_float8_is_close_to_high_precision_but_not_equal(recipe):
-    """One forward+backward of the tiny model: float8 rounding (3 mantissa bits) moves the loss
-    by well under 1% and the gradients by a few percent; equal results would mean nothing was
-    converted."""
+    """One forward+backward of the tiny model: float8 rounding moves the loss a little
+    (measured 4e-6 tensorwise, 9e-7 rowwise) and a weight gradient by several percent (9.6% /
+    6.8%: tensorwise casts gradients to e5m2, 2 mantissa bits); equal results would mean
+    nothing was converted."""
     plain = build(cfg())
     f8 = build(cfg("--model.converters", "float8", "--float8.emulate", "--float8.recipe_name",
                    recipe))
@@ -200,7 +201,7 @@ def test_emulated_float8_is_close_to_high_precision_but_not_equal(recipe):
         grads.append(model.get_submodule("layers.0.feed_forward.w1").weight.grad)
     rel_loss = abs(losses[1] - losses[0]) / losses[0]
     rel_grad = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
-    assert 0 < rel_loss < 1e-3, rel_loss
+    assert 0 < rel_loss < 1e-4, rel_loss
     assert 1e-4 < rel_grad < 0.15, rel_grad
 
 
