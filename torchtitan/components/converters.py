@@ -136,8 +136,9 @@ def prepare_dry_run(job_config: JobConfig, device_type: str) -> list[str]:
 class ModelConverters:
     """The converters of one run, applied in ``model.converters`` order."""
 
-    def __init__(self, converters: list[ModelConverter], print_after_conversion: bool = False):
-        self.converters = converters
+    def __init__(self, converters: list[ModelConverter] | None = None,
+                 print_after_conversion: bool = False):
+        self.converters = converters or []
         self.print_after_conversion = print_after_conversion
 
     @property

@@ -217,11 +217,12 @@ class Float8Converter(ModelConverter):
         else:
             config = Float8LinearConfig.from_recipe_name(self.recipe)
             if job_config.compile.enable:  # pytorch/pytorch#150859: match eager's rounding
-                torch._inductor.config.emulate_precision_casts = True
+                import torch._inductor.config as inductor_config
+
+                inductor_config.emulate_precision_casts = True
         self.config = dataclasses.replace(config, emulate=f8.emulate)
         self.filter_fqns = list(f8.filter_fqns)
         self.moe_fqns = list(f8.moe_fqns_prototype)
-        self.tp = parallel_dims is not None and getattr(parallel_dims, "tp_enabled", False)
 
     @property
     def float8_tensorwise_tp(self) -> bool:
