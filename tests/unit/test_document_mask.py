@@ -200,3 +200,17 @@ def test_attention_config_keys(tmp_path):
     cfg.attn_mask_type, cfg.use_flex_attn, cfg.sliding_window_size = None, None, 8
     with pytest.raises(ValueError, match="model.sliding_window_size=8 is not supported by model"):
         apply_attention_config(cfg, qwen)
+
+
+def test_context_parallel_refuses_document_masks_in_one_line():
+    from torchtitan.distributed.context_parallel import check_context_parallel_model
+
+    check_context_parallel_model(tiny_args())  # plain causal SDPA: ring attention splits it
+    for kw, needle in (
+        (dict(attn_mask_type="block_causal"), "causal attention only; this flavor's attn_mask_type is 'block_causal'"),
+        (dict(use_flex_attn=True), "needs SDPA attention; this flavor uses FlexAttention"),
+        (dict(sliding_window_size=64), "model.sliding_window_size=64 needs a mask"),
+    ):
+        with pytest.raises(ValueError, match=needle) as err:
+            check_context_parallel_model(tiny_args(**kw))
+        assert "\n" not in str(err.value)

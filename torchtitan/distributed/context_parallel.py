@@ -114,3 +114,9 @@ def check_context_parallel_model(model_args: object) -> None:
             f"parallelism.context_parallel_degree > 1 supports causal attention only; this "
             f"flavor's attn_mask_type is {mask!r}"
         )
+    window = getattr(model_args, "sliding_window_size", None)
+    if window:
+        raise ValueError(
+            f"parallelism.context_parallel_degree > 1 supports causal attention only; "
+            f"model.sliding_window_size={window} needs a mask ring attention does not split"
+        )
