@@ -11,6 +11,8 @@ gradient must agree within fp32 tolerance (rtol/atol 1e-5; reduction-order noise
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,6 +127,7 @@ def run_layouts() -> dict[str, dict]:
     return out
 
 
+@functools.cache
 def reference():
     inputs, labels = batch()
     model = Transformer(args("causal"))
