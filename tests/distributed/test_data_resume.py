@@ -20,7 +20,10 @@ import torch
 
 from tests.distributed.launcher import launch
 
-pytestmark = pytest.mark.slow  # 2- and 4-rank gloo launches
+pytestmark = [
+    pytest.mark.slow,  # 2- and 4-rank gloo launches
+    pytest.mark.usefixtures("one_thread"),  # the in-process one-rank resume, as the workers
+]
 
 STEPS_BEFORE, STEPS_AFTER, GLOBAL_BATCH, SEQ_LEN = 2, 2, 8, 32
 

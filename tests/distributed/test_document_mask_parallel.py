@@ -26,7 +26,10 @@ from torchtitan.models.common.document_mask import document_ids
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model import Transformer
 
-pytestmark = pytest.mark.slow  # a 2-rank gloo launch
+pytestmark = [
+    pytest.mark.slow,  # a 2-rank gloo launch
+    pytest.mark.usefixtures("one_thread"),  # the reference, as the workers (OMP_NUM_THREADS=1)
+]
 
 ROWS, SEQ, VOCAB = 4, 32, 300
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -28,7 +28,10 @@ from torchtitan.models.llama3.model import Transformer
 
 BOS, EOS, VOCAB, SEQ = 1, 2, 300, 48
 TOL = dict(rtol=1e-5, atol=1e-5)
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_thread"),  # small matmuls: OpenMP spin on 2 shared cores costs more
+]
 
 
 def tiny_args(**kw):
