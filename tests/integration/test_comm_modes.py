@@ -98,8 +98,12 @@ def test_local_tensor_matches_real_gloo_tp2_fsdp2(tmp_path):
     assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]
     sim_losses, real_losses = _probed(simulated), _probed(real)
     assert [s for s, _, _ in sim_losses] == [1, 2], simulated.stdout[-2000:]
-    # Same data per dp rank, same per-rank init, same collectives: bitwise-equal numbers.
-    assert sim_losses == real_losses
+    # Same data per dp rank, same per-rank init, same collectives: bitwise-equal losses. The
+    # grad norm's float32 sums over the per-mesh groups may be ordered differently by the
+    # simulated and the real collectives (measured: 6e-8 apart at step 2).
+    assert [(s, loss) for s, loss, _ in sim_losses] == [(s, loss) for s, loss, _ in real_losses]
+    for (_, _, sim_norm), (_, _, real_norm) in zip(sim_losses, real_losses):
+        assert sim_norm == pytest.approx(real_norm, rel=1e-6)
 
 
 def _dims(**degrees) -> ParallelDims:
