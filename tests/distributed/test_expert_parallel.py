@@ -4,8 +4,11 @@ Every run starts from one seed checkpoint and sees the same global batch per ste
 (tests/distributed/trainer_runs.py), and each EP layout is compared with the layout of the same
 data-parallel degree without EP: EP2 x FSDP2 vs FSDP2 (experts: 4 per rank, no FSDP left for
 them), EP2 x FSDP4 vs FSDP4 (experts also FSDP-sharded over the 2 remaining ranks), EP4 x FSDP4,
-EP2 x TP2 x FSDP2 and EP2 x PP2 x FSDP2 vs FSDP2 (dp 2 in all three). Per-step loss and grad norm over 4 AdamW steps
-(clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see NORM_TOL):
+EP2 x TP2 x FSDP2 and EP2 x PP2 x FSDP2 vs FSDP2 (dp 2 in all three), EP2 x HSDP (dp_replicate 2 x
+dp_shard 2) vs HSDP 2x2, and EP with context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes
+the cp ranks), EP4 x CP2 x FSDP2 (ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the
+other cp ranks). Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP layouts;
+clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see NORM_TOL):
 the all-to-all moves tokens exactly and only the order of fp32 sums changes; an expert gradient
 off by the ep factor moves the grad norm by 1e-3 and the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4 and at
 one device. A layer-level test sends no tokens from one rank to the other rank's experts.
@@ -47,6 +50,16 @@ def _ep(n: int) -> list[str]:
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+REP2 = ["--parallelism.data_parallel_replicate_degree", "2"]
+FIVE_STEPS = ["--training.steps", "5"]  # the HSDP / CP layouts and their references
+
+
+def _cp(n: int) -> list[str]:
+    return ["--parallelism.context_parallel_degree", str(n)]
+
+
+HSDP2x2 = [*REP2, *_dp(2), "--training.local_batch_size", "2", *FIVE_STEPS]
+CP2_FSDP2 = [*_cp(2), *_dp(2), *FIVE_STEPS]
 TWO_RANKS = {"fsdp2": _dp(2), "ep2_fsdp2": [*_dp(2), *_ep(2)]}
 FOUR_RANKS = {
     "fsdp4": [*_dp(4), "--training.local_batch_size", "2"],
@@ -54,6 +67,13 @@ FOUR_RANKS = {
     "ep4_fsdp4": [*_dp(4), *_ep(4), "--training.local_batch_size", "2"],
     "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],
     "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
+    "hsdp2x2": HSDP2x2,
+    "ep2_hsdp2x2": [*HSDP2x2, *_ep(2)],  # experts: HSDP over (dp_replicate 2, dp_shard_mod_ep 1)
+    "cp2_fsdp2": CP2_FSDP2,
+    "ep2_cp2_fsdp2": [*CP2_FSDP2, *_ep(2)],  # ep = the cp ranks; experts FSDP over dp_shard
+    "ep4_cp2_fsdp2": [*CP2_FSDP2, *_ep(4)],  # ep = dp_shard x cp
+    # ep = 2 of the 4 cp ranks; experts FSDP over the other 2 (dp 1: the same global batch)
+    "ep2_cp4": [*_cp(4), *_dp(1), "--training.local_batch_size", "8", *FIVE_STEPS, *_ep(2)],
 }
 PAIRS = [
     ("ep2_fsdp2", "fsdp2"),
@@ -61,6 +81,10 @@ PAIRS = [
     ("ep4_fsdp4", "fsdp4"),
     ("ep2_tp2", "fsdp2"),  # dp 2 in both: the same data
     ("ep2_pp2", "fsdp2"),
+    ("ep2_hsdp2x2", "hsdp2x2"),
+    ("ep2_cp2_fsdp2", "cp2_fsdp2"),
+    ("ep4_cp2_fsdp2", "cp2_fsdp2"),
+    ("ep2_cp4", "cp2_fsdp2"),  # dp 1 vs 2, one global batch: equal within the same bounds
 ]
 
 
@@ -103,6 +127,7 @@ def test_moe_reference_trains(runs):
 @pytest.mark.parametrize("ep_layout, reference", PAIRS, ids=[p[0] for p in PAIRS])
 def test_expert_parallel_matches_the_layout_without_it(ep_layout, reference, runs):
     expected = runs[reference][0]
+    assert len(expected["loss"]) == (5 if reference in ("hsdp2x2", "cp2_fsdp2") else STEPS)
     for rank, run in enumerate(runs[ep_layout]):
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(

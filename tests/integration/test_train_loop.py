@@ -146,8 +146,10 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
     "degrees, world, needle",
     [
         (dict(expert_parallel_degree=3), 4, r"expert_parallel_degree=3 must divide data_parallel_shard_degree=4"),
-        (dict(expert_parallel_degree=2, data_parallel_replicate_degree=2), 4,
-         r"not supported together with data_parallel_replicate_degree > 1 or context_parallel"),
+        (dict(expert_parallel_degree=8, context_parallel_degree=2), 4,
+         r"expert_parallel_degree=8 must divide data_parallel_shard_degree\*context_parallel_"
+         r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the FSDP shard and "
+         r"context-parallel dimensions\)$"),
         (dict(expert_parallel_degree=2, expert_tensor_parallel_degree=2,
               tensor_parallel_degree=2), 4, r"experts are not tensor-parallel here"),
     ],

@@ -82,6 +82,18 @@ def get_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
     return world_mesh["dp_replicate", inner]
 
 
+def get_expert_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
+    """The mesh expert-parallel experts are FSDP-sharded over: ``dp_shard_mod_ep`` (the
+    ranks of ``dp_shard x cp`` outside the ep group) or, with ``dp_replicate > 1``, 2-D HSDP
+    ``(dp_replicate, dp_shard_mod_ep)``. With the ep all-to-all this reduces expert gradients
+    over every rank that holds different tokens. None without expert parallel."""
+    shard = parallel_dims.get_mesh("dp_shard_mod_ep")
+    if shard is None or not parallel_dims.dp_replicate_enabled:
+        return shard
+    replicate = parallel_dims.get_mesh("dp_replicate")
+    return DeviceMesh._concatenate([replicate, shard])
+
+
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     return getattr(model, name, None)
 
@@ -276,7 +288,7 @@ def apply_data_parallel(
             pp_enabled=parallel_dims.pp_enabled,
             cpu_offload=cpu_offload,
             reshard_after_forward_policy=reshard_after_forward_policy,
-            expert_mesh=parallel_dims.get_mesh("dp_shard_mod_ep"),
+            expert_mesh=get_expert_fsdp_mesh(parallel_dims),
         )
     if parallel_dims.dp_replicate_enabled:
         if cpu_offload:

@@ -80,17 +80,18 @@ class ParallelDims:
                 "(NGPU / nproc_per_node x nodes); make the degrees multiply to the world size"
             )
         if self.ep > 1:
-            if self.dp_shard % self.ep:
-                raise ParallelismError(
-                    f"parallelism.expert_parallel_degree={self.ep} must divide "
-                    f"data_parallel_shard_degree={self.dp_shard} (expert-parallel ranks are "
-                    "borrowed from the FSDP shard dimension)"
+            # ep ranks are borrowed from the ranks that hold different tokens within one
+            # replica: dp_shard x cp (see build_mesh).
+            if (self.dp_shard * self.cp) % self.ep:
+                what = (
+                    f"data_parallel_shard_degree={self.dp_shard}" if self.cp == 1 else
+                    f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*"
+                    f"{self.cp} = {self.dp_shard * self.cp}"
                 )
-            if self.dp_replicate > 1 or self.cp > 1:
                 raise ParallelismError(
-                    "parallelism.expert_parallel_degree > 1 is not supported together with "
-                    "data_parallel_replicate_degree > 1 or context_parallel_degree > 1 yet; use "
-                    "FSDP (data_parallel_shard_degree), TP or PP with expert parallel"
+                    f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
+                    "(expert-parallel ranks are borrowed from the FSDP shard"
+                    + (" and context-parallel dimensions)" if self.cp > 1 else " dimension)")
                 )
         if self.etp > 1:
             raise ParallelismError(
@@ -204,11 +205,13 @@ class ParallelDims:
             elif len(present) == 1:
                 self._meshes[flat_name] = mesh[present[0]]
         if self.ep > 1:
-            # ep ranks come from dp_shard: (dp_shard_mod_ep, ep); experts are Shard(0) over ep
-            # and FSDP-sharded over dp_shard_mod_ep (both sliced from one mesh, as FSDP needs).
-            expert_mesh = mesh._unflatten(
-                names.index("dp_shard"), (self.dp_shard // self.ep, self.ep),
-                ("dp_shard_mod_ep", "ep"),
+            # ep ranks come from dp_shard x cp: the flattened dp_shard_cp dim is unflattened
+            # into (dp_shard_mod_ep, ep), ep innermost (with cp > 1 it takes cp ranks first).
+            # Experts are Shard(0) over ep and FSDP-sharded over dp_shard_mod_ep (HSDP with
+            # dp_replicate); all are views of the world mesh, as FSDP needs to combine them.
+            shard_cp = self._meshes["dp_shard_cp"]
+            expert_mesh = shard_cp._unflatten(
+                0, (self.dp_shard * self.cp // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
             )
             self._meshes["ep"] = expert_mesh["ep"]
             self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
