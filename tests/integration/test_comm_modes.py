@@ -84,6 +84,27 @@ def test_fake_backend_128_ranks_70b_config_with_1b_flavor_and_cp4(tmp_path):
 
 
 @pytest.mark.slow
+def test_fake_backend_expert_parallel_with_hsdp_and_cp(tmp_path):
+    """The 671B EP dry run's path (docs/composability.md) with the DeepSeek-V3 debug flavor:
+    16 ranks, EP4 borrowed from dp_shard 4 x cp 2, experts HSDP over (dp_replicate 2,
+    dp_shard_mod_ep 2); the all-to-all is sized for balanced routing."""
+    proc = _run(
+        {"NGPU": "16", "COMM_MODE": "fake_backend", "MODULE": "deepseek_v3",
+         "CONFIG": "deepseek_v3_debugmodel"},
+        "--parallelism.expert_parallel_degree", "4",
+        "--parallelism.data_parallel_replicate_degree", "2",
+        "--parallelism.context_parallel_degree", "2", tmp=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("assumes balanced routing (each rank sends 1/4 of its routed tokens") == 1
+    assert "Applied expert parallel to 5 MoE layer(s) (ep=4: 2 experts per rank" in out
+    assert ("Applied HSDP to the model (mesh {'dp_replicate': 2, 'dp_shard_cp': 8}" in out
+            and "experts on {'dp_replicate': 2, 'dp_shard_mod_ep': 2})" in out)
+    assert "step 1 ran forward, backward and the optimizer on fake tensors" in out
+
+
+@pytest.mark.slow
 def test_local_tensor_matches_real_gloo_tp2_fsdp2(tmp_path):
     (tmp_path / "loss_probe.py").write_text(LOSS_PROBE)
     flags = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
@@ -118,7 +139,7 @@ def _dims(**degrees) -> ParallelDims:
         ("fake_backend", dict(pp=2, world_size=8), "pipeline parallel"),
         ("local_tensor", dict(pp=2, world_size=8), "pipeline parallel"),
         ("local_tensor", dict(cp=2, world_size=8), "context parallel"),
-        ("fake_backend", dict(ep=2, world_size=8), "expert parallel yet"),
+        ("local_tensor", dict(ep=2, world_size=8), "expert parallel"),
     ],
 )
 def test_refusals_name_the_parallelism(mode, degrees, refused):

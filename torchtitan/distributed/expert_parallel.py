@@ -22,6 +22,9 @@ torch 2.13 a one-rank FSDP mesh applies it twice.)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -84,6 +87,55 @@ class ExpertDispatch:
         return all_to_all_single_autograd(restored, send_splits, recv_splits, self.group)
 
 
+class BalancedExpertDispatch(ExpertDispatch):
+    """Token dispatch that assumes balanced routing: each rank sends ``1/ep`` of its routed
+    tokens to every ep peer and each local expert gets an equal share of what arrives.
+
+    For process groups whose collectives carry no data (``COMM_MODE=fake_backend``, the memory
+    estimator): the all-to-all sizes come from tensor shapes, not from the per-expert counts,
+    so nothing needs real values. Shapes, communication volume and memory are those of a
+    perfectly balanced router; outputs are meaningless (as everything else in such a run).
+    """
+
+    def dispatch(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        tokens, counts = args
+        n_local = counts.numel() // self.ep
+        n = tokens.shape[0]
+        send_splits = [n // self.ep + (i < n % self.ep) for i in range(self.ep)]
+        recv_splits = [send_splits[self.rank]] * self.ep  # every peer routes like this rank
+        self.tokens_sent += n - send_splits[self.rank]
+        routed = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
+        total = sum(recv_splits)
+        local_counts = counts.new_full((n_local,), total // n_local)
+        local_counts[: total % n_local] += 1
+        self._state = (None, send_splits, recv_splits)
+        return routed, local_counts
+
+    def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        _, send_splits, recv_splits = self._state
+        self._state = None
+        return all_to_all_single_autograd(output, send_splits, recv_splits, self.group)
+
+
+_dispatch_cls: type[ExpertDispatch] = ExpertDispatch
+
+
+@contextlib.contextmanager
+def expert_dispatch_policy(cls: type[ExpertDispatch]) -> Iterator[None]:
+    """Within this context :func:`apply_expert_parallel` installs ``cls`` as the token
+    dispatch (a comm mode whose collectives are fake supplies :class:`BalancedExpertDispatch`)."""
+    global _dispatch_cls
+    previous, _dispatch_cls = _dispatch_cls, cls
+    try:
+        yield
+    finally:
+        _dispatch_cls = previous
+
+
 def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     """Shard every MoE layer's experts over the ``ep`` mesh and install token dispatch.
 
@@ -108,13 +160,14 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        dispatch = ExpertDispatch(ep_mesh)
+        dispatch = _dispatch_cls(ep_mesh)
         experts.ep_dispatch = dispatch
         experts.register_forward_pre_hook(dispatch.dispatch)
         experts.register_forward_hook(dispatch.combine)
     logger.info(
         f"Applied expert parallel to {len(layers)} MoE layer(s) (ep={ep_mesh.size()}: "
-        f"{layers[0].args.num_experts // ep_mesh.size()} experts per rank, all-to-all dispatch)"
+        f"{layers[0].args.num_experts // ep_mesh.size()} experts per rank, all-to-all dispatch"
+        f"{', balanced routing assumed' if _dispatch_cls is not ExpertDispatch else ''})"
     )
     return len(layers)
 

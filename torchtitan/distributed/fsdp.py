@@ -94,6 +94,10 @@ def get_expert_fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh | None:
     return DeviceMesh._concatenate([replicate, shard])
 
 
+def _mesh_desc(mesh: DeviceMesh) -> dict[str, int]:
+    return dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+
+
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     return getattr(model, name, None)
 
@@ -167,9 +171,11 @@ def apply_fsdp(
         set_gradient_divide_factor(model, gradient_divide_factor)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
     logger.info(
-        f"Applied {kind} to the model (mesh {dict(zip(dp_mesh.mesh_dim_names or (), dp_mesh.shape))}, "
+        f"Applied {kind} to the model (mesh {_mesh_desc(dp_mesh)}, "
         f"param {param_dtype}, reduce {reduce_dtype}, reshard_after_forward={reshard}"
-        f"{', CPU offload' if cpu_offload else ''})"
+        f"{', CPU offload' if cpu_offload else ''}"
+        + (f"; experts on {_mesh_desc(expert_mesh)}" if expert_mesh is not None else "")
+        + ")"
     )
     return model
 

@@ -5,7 +5,8 @@ collectives return immediately. The config is validated, the model is built, par
 materialized and initialized, and each step (forward, backward, clipping, optimizer) runs on
 *fake tensors* (``FakeTensorMode``): shapes, dtypes and placements are real, values are not
 computed and no memory is allocated, so a 70B model at 128 ranks runs on a laptop. Batches are
-random token ids of the configured shape; checkpointing and validation are off. The memory
+random token ids of the configured shape; checkpointing and validation are off. Expert
+parallel's all-to-all is sized as if routing were balanced (``BalancedExpertDispatch``). The memory
 estimator runs the same mode (optionally with real tensors) under a memory tracker.
 """
 
@@ -106,10 +107,10 @@ class FakeBackend(CommMode):
                 "for real with torchrun"
             )
         if parallel_dims.ep_enabled:
-            raise ParallelismError(
-                f"{self.label} cannot run expert parallel yet (parallelism."
-                "expert_parallel_degree > 1): its token dispatch sizes the all-to-all from real "
-                "token counts, which fake tensors do not have; estimate with expert_parallel_degree 1"
+            logger.info(
+                f"{self.label}: expert parallel's token dispatch assumes balanced routing (each "
+                f"rank sends 1/{parallel_dims.ep} of its routed tokens to every ep peer; fake "
+                "collectives carry no per-expert token counts)"
             )
         prepare_dry_run(
             job_config, self.label, "a dry run checks the layout, shapes and memory, not outputs, "
@@ -154,6 +155,15 @@ class FakeBackend(CommMode):
         stack.enter_context(self._fake_mode)
         stack.enter_context(shape_only_init())
         return stack
+
+    def model_build(self) -> contextlib.AbstractContextManager:
+        """Expert parallel dispatches as if routing were balanced (no real token counts)."""
+        from torchtitan.distributed.expert_parallel import (
+            BalancedExpertDispatch,
+            expert_dispatch_policy,
+        )
+
+        return expert_dispatch_policy(BalancedExpertDispatch)
 
     def materialize(self) -> contextlib.AbstractContextManager:
         return self._fake_tensor_mode()
