@@ -105,3 +105,48 @@ def test_context_parallel_halves_activations():
     assert cp.breakdown["Sharded Param"] == fsdp.breakdown["Sharded Param"]
     ratio = cp.breakdown["Activation"] / fsdp.breakdown["Activation"]
     assert 0.45 < ratio < 0.6, ratio  # ideal 0.5; ring attention keeps a little per-step state
+
+
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+
+
+def _moe_shard_bytes(world_size: int, ep: int) -> tuple[int, int, int]:
+    """(bytes of one rank's parameter shards, bytes of one MoE layer's experts, parameter
+    tensors), fp32: dense
+    parameters FSDP-shard dim 0 over all ranks; expert weights hold ``E / ep`` experts
+    (``Shard(0)`` over ep), FSDP-sharded over the other ``world_size / ep`` ranks (padded)."""
+    spec = get_model_spec("qwen3")
+    args = spec.get_model_args("debugmodel_moe")
+    args.update_from_config(_cfg(*MOE), tokenizer=None)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    total, layer_experts = 0, 0
+    for name, p in model.named_parameters():
+        rows, per_row = p.shape[0], p.numel() // p.shape[0]
+        if ".experts." in name:
+            rows, shards = rows // ep, world_size // ep
+            if name.startswith("layers.0."):
+                layer_experts += 4 * p.numel()
+        else:
+            shards = world_size
+        total += 4 * math.ceil(rows / shards) * per_row
+    return total, layer_experts, len(list(model.parameters()))
+
+
+def test_expert_parallel_counts_expert_shards():
+    """EP2 over 4 ranks: each rank holds 4 of the 8 experts, FSDP-sharded over the other 2
+    ranks (dp_shard_mod_ep): per-rank parameter and AdamW bytes equal an exact count from the
+    model (the same as FSDP4 without EP: experts are sharded over ep x dp_shard_mod_ep = 4
+    ranks either way). What EP changes is the all-gather: at the peak one MoE layer's experts
+    are gathered, and under EP only its 4 local experts, so the gathered parameters shrink
+    by exactly half a layer's experts, and the peak drops."""
+    no_ep = estimate_memory(_cfg(*MOE), 4)
+    ep = estimate_memory(_cfg(*MOE, "--parallelism.expert_parallel_degree", "2"), 4)
+    sharded, layer_experts, n_tensors = _moe_shard_bytes(4, 2)
+    assert ep.breakdown["Sharded Param"] == sharded == no_ep.breakdown["Sharded Param"]
+    # AdamW: exp_avg + exp_avg_sq per parameter, plus a 4-byte step per parameter tensor
+    assert ep.breakdown["OptState"] == 2 * sharded + 4 * n_tensors
+    gathered_saving = no_ep.breakdown["Unsharded Param"] - ep.breakdown["Unsharded Param"]
+    assert gathered_saving == layer_experts // 2
+    assert ep.peak_bytes < no_ep.peak_bytes
+    assert "ep=2" in ep.parallelism

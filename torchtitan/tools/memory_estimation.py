@@ -11,6 +11,10 @@ activations (after activation checkpointing), temporaries, collective buffers, i
 What is not: the CUDA context and NCCL workspaces (~0.5-1.5 GiB per GPU), caching-allocator
 fragmentation (reserved memory is typically 5-20 % above active), and kernels' workspaces.
 Attention is traced with the CPU SDPA kernel, whose saved tensors match flash attention's.
+Expert parallel: expert weights are counted as the shards each rank holds (``E / ep`` experts,
+FSDP-sharded over ``dp_shard_mod_ep``) and only those are all-gathered; the token all-to-all is
+sized for perfectly balanced routing (fake collectives carry no token counts), so a skewed
+router's extra tokens on a hot rank are not counted.
 
 ``memory_estimation.disable_fake_mode`` uses real tensors instead (real allocation and compute,
 so only for small models).
