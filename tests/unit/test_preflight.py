@@ -40,6 +40,9 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--fault_tolerance.enable"], "fault_tolerance.enable=True is planned"),
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
+        (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],
+         "expert_tensor_parallel_degree=2: experts are not tensor-parallel here (each expert "
+         "stays whole"),
         (["--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2"],
          "cannot split a model with tied input/output embeddings"),
         (["--parallelism.tensor_parallel_degree", "3", "--world_size", "8"], "world size 8"),

@@ -96,7 +96,9 @@ class ParallelDims:
         if self.etp > 1:
             raise ParallelismError(
                 f"parallelism.expert_tensor_parallel_degree={self.etp}: experts are not "
-                "tensor-parallel here (they are sharded by expert parallel and FSDP); set it to 1"
+                "tensor-parallel here (each expert stays whole on its expert-parallel rank, FSDP "
+                "shards it only for storage, and MoE layers run on the TP-gathered sequence); "
+                "set it to 1"
             )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
