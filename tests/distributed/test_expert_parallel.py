@@ -60,7 +60,17 @@ def _cp(n: int) -> list[str]:
 
 HSDP2x2 = [*REP2, *_dp(2), "--training.local_batch_size", "2", *FIVE_STEPS]
 CP2_FSDP2 = [*_cp(2), *_dp(2), *FIVE_STEPS]
-TWO_RANKS = {"fsdp2": _dp(2), "ep2_fsdp2": [*_dp(2), *_ep(2)]}
+TWO_RANKS = {
+    "fsdp2": _dp(2),
+    "ep2_fsdp2": [*_dp(2), *_ep(2)],
+    # op-level SAC (the experts' FSDP unit sits inside the checkpointed block), full AC with
+    # per-block compile, and 2 microbatches per step (gradient accumulation)
+    "ep2_sac": [*_dp(2), *_ep(2), "--activation_checkpoint.mode", "selective",
+                "--activation_checkpoint.selective_ac_option", "op"],
+    "ep2_ac_compile": [*_dp(2), *_ep(2), "--activation_checkpoint.mode", "full",
+                       "--compile.enable", "--compile.backend", "aot_eager"],
+    "ep2_accum": [*_dp(2), *_ep(2), "--training.local_batch_size", "2"],
+}
 FOUR_RANKS = {
     "fsdp4": [*_dp(4), "--training.local_batch_size", "2"],
     "ep2_fsdp4": [*_dp(4), *_ep(2), "--training.local_batch_size", "2"],
@@ -77,6 +87,9 @@ FOUR_RANKS = {
 }
 PAIRS = [
     ("ep2_fsdp2", "fsdp2"),
+    ("ep2_sac", "fsdp2"),
+    ("ep2_ac_compile", "fsdp2"),
+    ("ep2_accum", "fsdp2"),
     ("ep2_fsdp4", "fsdp4"),
     ("ep4_fsdp4", "fsdp4"),
     ("ep2_tp2", "fsdp2"),  # dp 2 in both: the same data
@@ -89,11 +102,17 @@ PAIRS = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
-    root = tmp_path_factory.mktemp("ep")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ep")
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, list[dict[str, list[float]]]]:
     seed_dir = str(root / "seed" / "checkpoint" / "step-0")
     saved = str(root / "ep2_fsdp2_saved")
+    # EP2 x FSDP2 trains 2 steps and saves (also as HF safetensors); others resume from it.
     save = [*BASE_ARGS, *MOE, "--job.dump_folder", saved, "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf",
             "--checkpoint.initial_load_path", seed_dir, "--training.steps", "2",
             "--checkpoint.interval", "2", *_dp(2), *_ep(2)]
     # The real dataloader at EP2 x FSDP2: 4 steps straight (saving at 2), then resumed at 2.
@@ -128,6 +147,8 @@ def test_moe_reference_trains(runs):
 def test_expert_parallel_matches_the_layout_without_it(ep_layout, reference, runs):
     expected = runs[reference][0]
     assert len(expected["loss"]) == (5 if reference in ("hsdp2x2", "cp2_fsdp2") else STEPS)
+    if ep_layout == "ep2_accum":
+        assert runs[ep_layout][0]["accumulation"] == [2] and expected["accumulation"] == [1]
     for rank, run in enumerate(runs[ep_layout]):
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(
@@ -207,3 +228,26 @@ def test_moe_ep_resume_is_bit_exact(runs):
         assert resumed["first_step"] == [3]
         assert resumed["loss"] == straight["loss"][2:]
         assert resumed["grad_norm"] == straight["grad_norm"][2:]
+
+
+def test_hf_export_of_an_ep_run_has_every_expert_whole(runs, root):
+    """``checkpoint.last_save_in_hf`` at EP2 x FSDP2: the HF folder holds all 8 experts of
+    every layer as whole per-expert matrices, equal to the step's DCP checkpoint (which the
+    resume tests show holds the trained weights), and trained away from the seed."""
+    from torchtitan.components.checkpoint.hf import load_safetensors_folder
+    from torchtitan.components.checkpoint.load import load_dcp_model_tensors
+
+    step = root / "ep2_fsdp2_saved" / "checkpoint" / "step-2"
+    hf = load_safetensors_folder(str(step / "hf"))
+    dcp = load_dcp_model_tensors(str(step))
+    seed = load_dcp_model_tensors(str(root / "seed" / "checkpoint" / "step-0"))
+    stacked = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    experts = [k for k in hf if ".mlp.experts." in k]
+    assert len(experts) == 4 * 8 * 3  # layers x experts x projections
+    for key in experts:
+        layer, expert, proj = int(key.split(".")[2]), int(key.split(".")[5]), key.split(".")[6]
+        name = next(k for k in dcp if k.startswith(f"layers.{layer}.")
+                    and k.endswith(f"experts.{stacked[proj]}"))
+        assert dcp[name].shape[0] == 8
+        assert torch.equal(hf[key], dcp[name][expert]), key
+        assert not torch.equal(hf[key], seed[name][expert]), key

@@ -27,7 +27,8 @@ aten = torch.ops.aten
 
 
 def default_op_sac_save_list() -> set:
-    """Ops whose outputs op-level SAC keeps (every other ``mm``, attention, reductions)."""
+    """Ops whose outputs op-level SAC keeps (every other ``mm``, attention, reductions,
+    collectives)."""
     ops = {
         aten.mm.default,
         # attention: CPU flash, CUDA flash / memory-efficient / cuDNN
@@ -41,7 +42,28 @@ def default_op_sac_save_list() -> set:
     c10d = getattr(torch.ops, "_c10d_functional", None)
     if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
         ops.add(c10d.reduce_scatter_tensor.default)
+    if c10d is not None and hasattr(c10d, "all_to_all_single"):
+        # expert parallel's token all-to-alls: keep them rather than communicate again
+        ops.add(c10d.all_to_all_single.default)
     return ops
+
+
+def sac_ignore_profiler_ranges() -> None:
+    """Let op-level SAC ignore profiler range markers (``record_function``), as torch's SAC
+    already ignores ``detach``.
+
+    An FSDP unit nested inside a checkpointed block (expert parallel's ``experts``, on their own
+    mesh) runs its forward hooks again in the recompute, and there, outside FSDP's forward, it
+    opens a ``FSDP::root_pre_forward`` range that the forward did not; SAC counts every op and
+    stops at that extra marker ("invocation index 3 encountered during backward but not found
+    in storage"). The markers carry no tensors, so caching or replaying them changes nothing.
+    """
+    from torch.utils import checkpoint
+
+    profiler = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update(
+        {profiler._record_function_enter_new.default, profiler._record_function_exit._RecordFunction}
+    )
 
 
 def _validate(cfg: ActivationCheckpoint) -> None:
@@ -231,6 +253,8 @@ def apply_ac(
     layers: nn.ModuleDict = model.layers
     every_n = selective_every_n(ac_cfg.selective_ac_option) if ac_cfg.mode == "selective" else 1
     save_list = default_op_sac_save_list() if op_sac_save_list is None else op_sac_save_list
+    if every_n is None:
+        sac_ignore_profiler_ranges()
     wrapped = 0
     for index, (layer_id, block) in enumerate(list(layers.items())):
         if block is None:
