@@ -22,6 +22,7 @@ from torchtitan.components.converters import (
     build_converters,
     check_converters,
 )
+from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.config.job_config import JobConfig
@@ -200,7 +201,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     rank = dist.get_rank() if dist.is_initialized() else 0
     log_resolved_config(cfg, rank)
     seed = dist_utils.set_determinism(world_mesh, device, cfg.debug)
-    global_bs, grad_accum = gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+    # Under fault tolerance the replica groups split the data (and the global batch) too.
+    data_degree, data_rank_offset = data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)
+    global_bs, grad_accum = gradient_accumulation_steps(cfg, data_degree)
 
     spec = get_model_spec(cfg.model.name)
     tokenizer = comm_mode.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
@@ -218,11 +221,12 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         check_context_parallel(cfg, model_args, parallel_dims.cp)
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)
+    build_train_data = dataloader_factory(spec, cfg, tokenizer, data_degree)
 
     def build_train_loader(dp_rank: int) -> Any:
         t = cfg.training
-        return build_dataloader(t.dataset, t.dataset_path, t.local_batch_size, t.seq_len,
-                                dp_rank, infinite=True)
+        return build_train_data(t.dataset, t.dataset_path, t.local_batch_size, t.seq_len,
+                                data_rank_offset + dp_rank, infinite=True)
 
     dataloader = comm_mode.build_dataloader(
         build_train_loader, parallel_dims, cfg.training.local_batch_size, cfg.training.seq_len,

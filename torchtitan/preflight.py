@@ -187,7 +187,11 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
             world_size = default_world_size(cfg)
         parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
         reject_planned_features(cfg, parallel_dims)
-        gradient_accumulation_steps(cfg, parallel_dims.dp_degree)
+        from torchtitan.components.fault_tolerance.layout import check_lighthouse, data_layout
+
+        gradient_accumulation_steps(
+            cfg, data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)[0]
+        )
         _check_model(cfg, parallel_dims)
         if on_this_machine:
             if device_type is None:
@@ -195,6 +199,7 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
 
                 device_type = detected
             _check_components(cfg, device_type)
+            check_lighthouse(cfg.fault_tolerance)
     return parallel_dims
 
 

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.build import build_run
+from torchtitan.components.fault_tolerance.layout import split_group_outputs
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.comm_mode import comm_mode_from_env
+from torchtitan.distributed.comm_mode import CommMode, comm_mode_from_env
 from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
@@ -29,6 +30,8 @@ from torchtitan.tools.error_file import record_error
 from torchtitan.tools.lifecycle import Preempted, Preemption, die_with_launcher
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+
+FT_KEY = "fault_tolerance"
 
 
 class TrainingError(RuntimeError):
@@ -50,12 +53,18 @@ class Trainer(Stateful):
 
     def __init__(self, job_config: JobConfig) -> None:
         self.job_config = cfg = job_config
+        split_group_outputs(cfg)  # fault tolerance: per-group outputs, one checkpoint folder
         world_size = dist_utils.world_size_from_env()
         if cfg.memory_estimation.enable:
             from torchtitan.tools.memory_estimation import log_memory_estimate
 
             log_memory_estimate(cfg, world_size)
         self.comm_mode = comm_mode_from_env(world_size)
+        if cfg.fault_tolerance.enable and self.comm_mode.name != CommMode.name:
+            raise ValueError(
+                f"COMM_MODE={self.comm_mode.name} does not simulate fault tolerance (one "
+                "process, no lighthouse, no replica groups): drop --fault_tolerance.enable"
+            )
         self.comm_mode.check_memory(lambda: _estimate(cfg, world_size))
         self.run = run = build_run(cfg, self.comm_mode)
         self.device, self.rank = run.device, run.rank
@@ -83,9 +92,16 @@ class Trainer(Stateful):
             checkpoint_config=cfg.checkpoint,
             dump_folder=cfg.job.dump_folder,
             sd_adapter=self._hf_adapter(),
+            writer_id=f"replica_{cfg.fault_tolerance.replica_id}" if cfg.fault_tolerance.enable else "",
             tokenizer=run.tokenizer,
         )
         self.validator = build_validator(run) if cfg.validation.enable else None
+        self.ft = self._build_fault_tolerance() if cfg.fault_tolerance.enable else None
+        self._step_optimizer = (
+            self.ft.wrap_optimizer_step(self.model_parts, lambda: optimizer_step(run))
+            if self.ft is not None and self.ft.semi_sync
+            else lambda: optimizer_step(run)
+        )
         self.preemption = Preemption()
         self.gc_freq = 1 if cfg.training.gc_debug else cfg.training.gc_freq
         gc.disable()
@@ -107,6 +123,27 @@ class Trainer(Stateful):
             args.max_seq_len = spec.get_model_args(cfg.model.flavor).max_seq_len
         return spec.state_dict_adapter(args, cfg.model.hf_assets_path)
 
+    def _build_fault_tolerance(self) -> Any:
+        """torchft's manager for this rank; a rejoining group receives this trainer's live
+        state, and in synchronous mode the gradients are averaged over the groups."""
+        from torchtitan.components.fault_tolerance import FaultTolerance
+        from torchtitan.components.fault_tolerance.live_state import LiveState, OptimizerLiveState
+
+        group_rank = dist.get_rank() if dist.is_initialized() else 0
+        group_size = dist.get_world_size() if dist.is_initialized() else 1
+        ft = FaultTolerance(self.job_config.fault_tolerance, group_rank, group_size)
+        parts = {
+            "model": torch.nn.ModuleList(self.model_parts),
+            "optimizer": OptimizerLiveState(self.optimizers),
+            "lr_scheduler": self.lr_schedulers,
+            "dataloader": self.dataloader,
+            "train_state": self,
+        }
+        ft.register_live_state(LiveState(parts))
+        if not ft.semi_sync:
+            self.run.after_backward.append(ft.sync_gradients_hook(self.model_parts))
+        return ft
+
     # --- one step ------------------------------------------------------------------------
     def next_batch(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
@@ -116,24 +153,31 @@ class Trainer(Stateful):
         self.ntokens_seen += labels.numel()
         return inputs.to(self.device), labels.to(self.device)
 
-    def train_step(self, data_iterator: Iterator) -> tuple[float, float]:
+    def train_step(self, data_iterator: Iterator) -> tuple[float, float] | None:
         """One optimizer step over the global batch; returns (global mean loss, grad norm).
 
         A non-finite loss or grad norm raises TrainingError before the optimizer runs, so the
-        weights stay those of the previous step.
+        weights stay those of the previous step. Under synchronous fault tolerance the loss is
+        averaged over the replica groups, and None means the groups did not commit the step
+        (one failed during it): the optimizer did not step.
         """
         self.optimizers.zero_grad()
         with self.preemption.abortable():  # one process: SIGTERM aborts the step here
             microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
             loss, grad_norm = compute_gradients(self.run, microbatches)
+        synchronous_ft = self.ft is not None and not self.ft.semi_sync
+        if synchronous_ft:
+            loss = self.ft.average(loss)
         if self.comm_mode.computes_values and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(
                 f"loss became {loss} (grad norm {grad_norm}) at step {self.step}; the "
                 "optimizer step was skipped. Lower optimizer.lr or check the data; "
                 + self.checkpointer.resume_hint(self.step - 1)
             )
+        if synchronous_ft and not self.ft.should_commit():
+            return None
         self.checkpointer.maybe_wait_for_staging()
-        self.moe_figures = optimizer_step(self.run)
+        self.moe_figures = self._step_optimizer()
         return loss, grad_norm
 
     # --- the loop ------------------------------------------------------------------------
@@ -164,6 +208,10 @@ class Trainer(Stateful):
             flight_recorder.CollectiveWatchdog(cfg.comm, dump_folder) as watchdog,
         ):
             while self.step < cfg.training.steps:
+                if self._begin_ft_step():  # healed from a peer: its step and data position
+                    data_iterator = iter(self.dataloader)
+                    if self.step >= cfg.training.steps:
+                        break
                 before = self._pre_step_state()
                 self.step += 1
                 watchdog.set_step(self.step)
@@ -171,18 +219,33 @@ class Trainer(Stateful):
                     gc.collect(1)
                 lr = self.lr_schedulers.get_last_lr()
                 try:
-                    loss, grad_norm = self.train_step(data_iterator)
+                    result = self.train_step(data_iterator)
                 except Preempted:
                     self._stop_mid_step(before)
                     return
+                if result is None:
+                    self.step -= 1
+                    logger.warning(
+                        f"Step {self.step + 1} was not committed by the replica groups (one "
+                        "failed during it, or fewer than fault_tolerance.min_replica_size took "
+                        "part); it is redone with the next batch"
+                    )
+                    continue
+                loss, grad_norm = result
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
                     tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
-                    self.metrics.log(self.step, loss, grad_norm, lr, extra={"tokens": tokens, **self.moe_figures})
+                    extra = {"tokens": tokens, **self.moe_figures}
+                    if self.ft is not None:
+                        extra.update(self.ft.figures(self.model_parts))
+                    self.metrics.log(self.step, loss, grad_norm, lr, extra=extra)
                 if self.validator is not None and self.validator.should_validate(self.step):
                     self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 stop = self._preemption_agreed()
-                self.checkpointer.save(self.step, last_step=(self.step == cfg.training.steps), force=stop)
+                if self.ft is None or self.ft.writes_checkpoints():
+                    self.checkpointer.save(
+                        self.step, last_step=(self.step == cfg.training.steps), force=stop
+                    )
                 if self.step == 1:
                     dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, self.world_mesh)
                 if profiler is not None:
@@ -196,6 +259,13 @@ class Trainer(Stateful):
                     )
                     return
         logger.info("Training completed")
+
+    def _begin_ft_step(self) -> bool:
+        """Synchronous fault tolerance: this step's quorum; True when this group was behind
+        and loaded a peer's live state."""
+        if self.ft is None or self.ft.semi_sync:
+            return False
+        return self.ft.begin_step()
 
     def _install_preemption_handler(self) -> None:
         self.preemption.install()
@@ -224,6 +294,8 @@ class Trainer(Stateful):
         )
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.shutdown()
         self.preemption.uninstall()
         self.checkpointer.close()
         self.metrics.close()
@@ -231,19 +303,25 @@ class Trainer(Stateful):
 
     # --- Stateful ------------------------------------------------------------------------
     # Per-rank RNG states saved by another layout are absent on load (rng_state.py).
-    optional_state_keys = (RNG_KEY,)
+    # torchft's step count is saved by fault-tolerant runs only.
+    optional_state_keys = (RNG_KEY, FT_KEY)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "step": torch.tensor(self.step),
             "ntokens_seen": torch.tensor(self.ntokens_seen),
             RNG_KEY: self.rng_state.state_dict(),
         }
+        if getattr(self, "ft", None) is not None:
+            state[FT_KEY] = self.ft.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.ntokens_seen = int(state_dict.get("ntokens_seen", 0))
         self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
+        if getattr(self, "ft", None) is not None and state_dict.get(FT_KEY):
+            self.ft.load_state_dict(state_dict[FT_KEY])
 
 
 def _out_of_memory(err: BaseException) -> bool:

@@ -58,22 +58,25 @@ def test_defaults_use_no_planned_feature():
 
 
 def test_one_clear_line_naming_key_value_and_feature():
-    cfg = parse("--fault_tolerance.replica_id", "3")
+    cfg = parse("--activation_checkpoint.memory_budget", "0.3")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     assert str(info.value) == (
-        "fault_tolerance.replica_id=3 is planned but not implemented yet (fault tolerance "
-        "(torchft)); remove it or leave the default"
+        "activation_checkpoint.memory_budget=0.3 is planned but not implemented yet (the "
+        "memory_budget activation checkpointing mode); remove it or leave the default"
     )
 
 
 def test_several_planned_settings_are_named_in_the_same_line():
-    cfg = parse("--fault_tolerance.enable", "--optimizer.early_step_in_backward")
+    cfg = parse("--activation_checkpoint.visualize_memory_budget_pareto",
+                "--optimizer.early_step_in_backward")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("fault_tolerance.enable=True is planned but not implemented yet")
+    assert message.startswith(
+        "activation_checkpoint.visualize_memory_budget_pareto=True is planned but not implemented"
+    )
     assert message.endswith("(also planned: optimizer.early_step_in_backward=True)")
 
 
@@ -97,7 +100,7 @@ def test_planned_keys_at_their_default_are_accepted(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(
         '[float8]\nenable_fsdp_float8_all_gather = false\nfilter_fqns = ["output"]\n'
-        "[fault_tolerance]\nenable = false\nreplica_id = 0\n"
+        "[activation_checkpoint]\nmemory_budget = 0.5\n"
     )
     cfg = parse_args_or_exit(["--job.config_file", str(path)])
     assert cfg.float8.filter_fqns == ["output"]
@@ -118,15 +121,17 @@ def test_2024_era_tomls_pass_the_trainer_entry(path):
 
 def test_config_tool_refuses_a_config_with_planned_settings(capsys, tmp_path):
     """The tool checks like the trainer: a config the trainer refuses is not printed."""
-    path = tmp_path / "ft.toml"
-    path.write_text("[fault_tolerance]\nenable = true\nreplica_id = 2\n")
+    path = tmp_path / "planned.toml"
+    path.write_text(
+        "[activation_checkpoint]\nvisualize_memory_budget_pareto = true\nmemory_budget = 0.2\n"
+    )
     code = main(["--job.config_file", str(path)])
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
     assert out.err.splitlines() == [
-        "error: fault_tolerance.enable=True is planned but not implemented yet "
-        "(fault tolerance (torchft)); remove it or leave the default (also planned: "
-        "fault_tolerance.replica_id=2)"
+        "error: activation_checkpoint.memory_budget=0.2 is planned but not implemented yet "
+        "(the memory_budget activation checkpointing mode); remove it or leave the default "
+        "(also planned: activation_checkpoint.visualize_memory_budget_pareto=True)"
     ]
 
 
@@ -140,7 +145,7 @@ def test_trainer_entry_accepts_the_405b_config_now_that_float8_is_built():
     ("argv", "needle"),
     [
         (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward=True is"),
-        (["--fault_tolerance.enable"], "fault_tolerance.enable=True is planned"),
+        (["--activation_checkpoint.memory_budget", "0.3"], "memory_budget=0.3 is planned"),
     ],
 )
 def test_train_command_refuses_planned_settings(argv, needle):

@@ -37,7 +37,7 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
     ("flags", "needle"),
     [
         (["--activation_checkpoint.determinism_check", "strict"], "expected one of 'default'"),
-        (["--fault_tolerance.enable"], "fault_tolerance.enable=True is planned"),
+        (["--optimizer.early_step_in_backward"], "early_step_in_backward=True is planned"),
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],

@@ -443,25 +443,47 @@ class MemoryEstimation:
 @dataclass
 class FaultTolerance:
     enable: bool = False
-    """Enable torchft fault tolerance (needs torchft)."""
+    """Train as one replica group of a fault-tolerant job (torchft): groups coordinate through the
+    torchft lighthouse, a failed group is dropped from the quorum and rejoins from a live peer."""
 
     process_group: str = "gloo"
-    """Process group torchft uses between replicas."""
+    """Process group between replica groups: gloo, or nccl (CUDA)."""
 
     process_group_timeout_ms: int = 10000
-    """Timeout of the fault-tolerance process group."""
+    """Timeout of the cross-group collectives, live-state transfers and commit votes."""
 
     replica_id: int = 0
-    """This replica group's id."""
+    """This replica group's id, 0 .. group_size-1 (picks its share of the data)."""
 
     group_size: int = 0
-    """Number of replica groups."""
+    """Number of replica groups in the job (0: refused when enable is set)."""
 
     min_replica_size: int = 1
-    """Minimum healthy replicas to keep training."""
+    """A step commits only when at least this many groups took part in it."""
 
     semi_sync_method: str | None = None
-    """Semi-synchronous training method (local_sgd, diloco)."""
+    """Semi-synchronous training across groups: local_sgd or diloco (default: synchronous)."""
+
+    lighthouse: str = ""
+    """torchft lighthouse address, e.g. http://host:29510 (default: $TORCHFT_LIGHTHOUSE)."""
+
+    quorum_timeout_seconds: int = 60
+    """How long a group waits for a quorum before giving up with an error."""
+
+    sync_steps: int = 5
+    """local_sgd / diloco: optimizer steps between two synchronisations of the groups."""
+
+    fragment_sync_delay: int = 0
+    """diloco: steps between starting a synchronisation and waiting for it (streaming DiLoCo)."""
+
+    fragment_update_alpha: float = 0.0
+    """diloco: weight of the local parameters when merging them with the global ones."""
+
+    outer_lr: float = 0.7
+    """diloco: learning rate of the outer (Nesterov SGD) optimizer."""
+
+    outer_momentum: float = 0.9
+    """diloco: momentum of the outer optimizer."""
 
 
 @dataclass

@@ -29,17 +29,7 @@ __all__ = [
     "reject_planned_settings",
 ]
 
-_FT = "fault tolerance (torchft)"
-
 PLANNED_FIELDS: dict[str, str] = {
-    # fault tolerance
-    "fault_tolerance.enable": _FT,
-    "fault_tolerance.process_group": _FT,
-    "fault_tolerance.process_group_timeout_ms": _FT,
-    "fault_tolerance.replica_id": _FT,
-    "fault_tolerance.group_size": _FT,
-    "fault_tolerance.min_replica_size": _FT,
-    "fault_tolerance.semi_sync_method": _FT,
     # activation checkpointing
     "activation_checkpoint.memory_budget": "the memory_budget activation checkpointing mode",
     "activation_checkpoint.visualize_memory_budget_pareto": (

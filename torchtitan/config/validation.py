@@ -99,6 +99,12 @@ CHECKS: dict[str, Check] = {
     "fault_tolerance.group_size": _ge(0),
     "fault_tolerance.min_replica_size": _ge(1),
     "fault_tolerance.process_group_timeout_ms": _gt(0),
+    "fault_tolerance.quorum_timeout_seconds": _gt(0),
+    "fault_tolerance.sync_steps": _ge(1),
+    "fault_tolerance.fragment_sync_delay": _ge(0),
+    "fault_tolerance.fragment_update_alpha": _unit(),
+    "fault_tolerance.outer_lr": _gt(0),
+    "fault_tolerance.outer_momentum": _unit(hi_open=True),
 }
 """Range rules: dotted key -> (predicate on the value, what the value must be)."""
 
@@ -129,6 +135,7 @@ def validate(cfg: Any) -> None:
             "none of them one by one: turn compile off (--compile.no_enable) to debug AC"
         )
     _check_dataset_specs(cfg)
+    _check_fault_tolerance(cfg.fault_tolerance)
     dl = cfg.training.dataloader
     if dl.num_workers == 0:
         for name in ("persistent_workers", "prefetch_factor"):
@@ -155,3 +162,41 @@ if _UNKNOWN:
         f"torchtitan/config/validation.py: CHECKS names fields JobConfig does not have: "
         f"{_UNKNOWN}; fix the rule or the field name"
     )
+
+
+SEMI_SYNC_METHODS = ("local_sgd", "diloco")
+
+
+def _check_fault_tolerance(ft: Any) -> None:
+    """Cross-field rules of ``[fault_tolerance]`` (only when it is enabled)."""
+    if not ft.enable:
+        return
+    if ft.group_size < 1:
+        raise ConfigError(
+            "fault_tolerance.group_size must be the number of replica groups (>= 1) with "
+            f"fault_tolerance.enable, got {ft.group_size}"
+        )
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.replica_id={ft.replica_id} must be < fault_tolerance.group_size="
+            f"{ft.group_size} (ids are 0 .. group_size-1)"
+        )
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(
+            f"fault_tolerance.min_replica_size={ft.min_replica_size} must be <= "
+            f"fault_tolerance.group_size={ft.group_size} (no step could ever commit)"
+        )
+    if ft.process_group not in ("gloo", "nccl"):
+        raise ConfigError(
+            f"fault_tolerance.process_group must be gloo or nccl, got {ft.process_group!r}"
+        )
+    if ft.semi_sync_method is not None and ft.semi_sync_method not in SEMI_SYNC_METHODS:
+        raise ConfigError(
+            "fault_tolerance.semi_sync_method must be one of "
+            f"{', '.join(SEMI_SYNC_METHODS)} (or unset), got {ft.semi_sync_method!r}"
+        )
+    if ft.semi_sync_method == "diloco" and ft.fragment_sync_delay >= ft.sync_steps:
+        raise ConfigError(
+            f"fault_tolerance.fragment_sync_delay={ft.fragment_sync_delay} must be < "
+            f"fault_tolerance.sync_steps={ft.sync_steps}"
+        )

@@ -62,9 +62,11 @@ def _me() -> dict[str, Any]:
 class FolderLock:
     """The writer lock of one checkpoint folder (acquire on every rank; rank 0 does the work)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, owner: str = "") -> None:
+        """``owner``: a writer sharing the folder by design gets its own lock, e.g. each
+        fault-tolerant replica group (they take turns writing; see fault_tolerance.md)."""
         self.folder = folder
-        self.path = os.path.join(folder, LOCK_NAME)
+        self.path = os.path.join(folder, LOCK_NAME + (f".{owner}" if owner else ""))
         self.held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

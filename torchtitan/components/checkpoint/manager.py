@@ -56,6 +56,8 @@ class CheckpointManager:
             ``TORCHTITAN_CHECKPOINT_HOOKS`` if set, else no hooks.
         tokenizer: the run's tokenizer; ``last_save_in_hf`` then also writes the tokenizer
             files, ``generation_config.json`` and BOS/EOS ids in ``config.json``.
+        writer_id: set when several jobs share the folder by design (fault-tolerant replica
+            groups): each holds its own writer lock.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class CheckpointManager:
         sd_adapter: Any | None = None,
         save_hooks: SaveHooks | None = None,
         tokenizer: Any | None = None,
+        writer_id: str = "",
     ) -> None:
         self.config = cfg = checkpoint_config
         self.enable = bool(cfg.enable or cfg.create_seed_checkpoint)
@@ -130,12 +133,13 @@ class CheckpointManager:
         )
         if self.enable and cfg.enable_ft_dataloader_checkpoints and rank() == 0:
             logger.warning(
-                "checkpoint.enable_ft_dataloader_checkpoints is ignored: fault-tolerance replicas "
-                "(torchft) are not supported; the dataloader is checkpointed per dp rank as usual"
+                "checkpoint.enable_ft_dataloader_checkpoints is not needed: the data position is "
+                "global (the same in every fault-tolerant replica group), so the shared "
+                "checkpoint holds it"
             )
         if self.enable:
             self._log_setup()
-        self.lock = FolderLock(self.folder)
+        self.lock = FolderLock(self.folder, writer_id)
         if self.enable and not cfg.load_only:
             space.check_writable(self.folder)
             self.lock.acquire()  # one writer per folder (lock.py)

@@ -1,0 +1,254 @@
+"""Fault-tolerant training across replica groups with torchft.
+
+A fault-tolerant job is ``fault_tolerance.group_size`` replica groups, each its own torchrun job
+with its own mesh (FSDP / TP / PP / CP / EP inside the group). Groups are the data-parallel
+replicas of one another: torchft's ``Manager`` (one per rank, coordinated by the lighthouse)
+forms a quorum of the live groups before every step, and after backward every rank all-reduces
+its local gradient shards with the same rank of every other group through torchft's
+reconfigurable process group. A group that dies drops out of the next quorum; the others go on.
+When it comes back it joins a quorum and receives the live state (model, optimizer, LR
+schedule, data position, step) from a healthy peer over torchft's checkpoint transport.
+
+* :func:`data_layout`: the data-parallel degree and rank of the whole job (groups x dp).
+* :class:`FaultTolerance`: the manager and the hooks the Trainer calls.
+* ``semi_sync``: LocalSGD / DiLoCo instead of per-step gradient averaging.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.components.fault_tolerance.layout import (
+    FaultToleranceError,
+    data_layout,
+    lighthouse_address,
+    split_group_outputs,
+)
+from torchtitan.components.fault_tolerance.live_state import LiveState
+from torchtitan.config.job_config import FaultTolerance as FTConfig
+from torchtitan.tools.logging import logger
+
+__all__ = [
+    "FaultTolerance",
+    "FaultToleranceError",
+    "data_layout",
+    "lighthouse_address",
+    "split_group_outputs",
+]
+
+_BUCKET_ELEMENTS = 16 * 1024 * 1024  # gradients all-reduced per torchft call
+
+
+def _import_torchft() -> Any:
+    # torchft's Rust side logs every quorum and commit at INFO; RUST_LOG=info brings them back.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError as err:
+        raise FaultToleranceError(
+            f"fault_tolerance.enable needs torchft ({err}); pip install 'torchft>=0.2'"
+        ) from None
+    return torchft
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FaultTolerance:
+    """torchft's Manager for this rank, and the Trainer's hooks into it.
+
+    Synchronous mode (no ``semi_sync_method``): :meth:`begin_step` forms the quorum (and heals
+    this group first if it is behind), :meth:`sync_gradients` averages the gradients over the
+    groups in it, :meth:`average` the logged loss, and :meth:`should_commit` is the vote that
+    decides whether the optimizer steps. Semi-synchronous mode: see :meth:`wrap_optimizer_step`.
+    """
+
+    def __init__(self, cfg: FTConfig, group_rank: int, group_world_size: int) -> None:
+        torchft = _import_torchft()
+        from torchft.manager import Manager
+
+        self.cfg = cfg
+        address = lighthouse_address(cfg)
+        timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
+        if cfg.process_group == "nccl":
+            if not torch.cuda.is_available():
+                raise FaultToleranceError(
+                    "fault_tolerance.process_group=nccl needs CUDA; use gloo on CPU"
+                )
+            pg = torchft.ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        self.semi_sync = cfg.semi_sync_method
+        self.live_state: LiveState | None = None
+        try:
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=cfg.min_replica_size,
+                # A quorum before the forward: a rejoining group is healed before it computes.
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=min(cfg.quorum_timeout_seconds, 30)),
+                rank=group_rank,
+                world_size=group_world_size,
+                lighthouse_addr=address,
+                replica_id=f"torchtitan_ft_{cfg.replica_id}",
+            )
+        except Exception as err:
+            reason = " ".join(str(err).split()).split(";")[0][:200]
+            raise FaultToleranceError(
+                f"cannot start torchft's manager with the lighthouse at {address} ({reason}); is "
+                "`torchft_lighthouse` running there?"
+            ) from None
+        self.address = address
+        self._quorum_seen = False
+        logger.info(
+            f"Fault tolerance: replica group {cfg.replica_id} of {cfg.group_size}, lighthouse "
+            f"{address}, min_replica_size {cfg.min_replica_size}, "
+            f"{self.semi_sync or 'synchronous'} training"
+        )
+
+    # --- live state -----------------------------------------------------------------------
+    def register_live_state(self, live_state: LiveState) -> None:
+        """What a rejoining group receives from a healthy one (and how it loads it)."""
+        self.live_state = live_state
+        self.manager.register_state_dict_fn("trainer", live_state.load, live_state.save)
+
+    # --- synchronous steps ----------------------------------------------------------------
+    def begin_step(self) -> bool:
+        """Form this step's quorum (healing this group if it is behind); True if healed."""
+        before = self.live_state.loads if self.live_state is not None else 0
+        try:
+            self.manager.start_quorum()
+        except Exception as err:
+            raise self._quorum_error(err) from None
+        self._quorum_seen = True
+        healed = self.live_state is not None and self.live_state.loads > before
+        if healed:
+            logger.warning(
+                f"Fault tolerance: replica group {self.cfg.replica_id} recovered the live "
+                f"state of step {self.manager.current_step()} from a peer"
+            )
+        return healed
+
+    def _quorum_error(self, err: Exception) -> Exception:
+        line = " ".join(str(err).split())[:200]
+        if not self._quorum_seen:
+            return FaultToleranceError(
+                f"no quorum from the torchft lighthouse at {self.address} within "
+                f"{self.cfg.quorum_timeout_seconds}s ({line}); is `torchft_lighthouse` running "
+                "there and its --min_replicas <= the groups started?"
+            )
+        return RuntimeError(f"fault tolerance: quorum failed ({line})")
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in the current quorum."""
+        return self.manager.num_participants()
+
+    def sync_gradients_hook(self, model_parts: list[nn.Module]) -> Callable[[], None]:
+        """``hook()`` run after backward: average every local gradient shard over the groups
+        in the quorum (bucketed, through torchft's fault-tolerant process group)."""
+        params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+
+        @torch.no_grad()
+        def hook() -> None:
+            grads = [_local(p.grad) for p in params if p.grad is not None]
+            for bucket in _buckets(grads):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                self.manager.allreduce(flat).wait()
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+        return hook
+
+    def average(self, value: float) -> float:
+        """Mean of a per-group scalar (the logged loss) over the groups in the quorum."""
+        t = torch.tensor([value], dtype=torch.float64)
+        self.manager.allreduce(t).wait()
+        return float(t[0])
+
+    def figures(self, model_parts: list[nn.Module]) -> dict[str, float]:
+        """Logged with each step: the groups in the quorum, and a checksum of the weights
+        (float64 sum of every rank's local shards over this group) that must be equal across
+        groups: replicas that drifted apart show it at once."""
+        import torch.distributed as dist
+
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for part in model_parts:
+                for p in part.parameters():
+                    total += _local(p).detach().double().sum().cpu()
+        if dist.is_initialized():
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            t = total.to(device)
+            dist.all_reduce(t)
+            total = t.cpu()
+        figures = {"ft/param_checksum": float(total)}
+        if not self.semi_sync:
+            figures["ft/replica_groups"] = float(self.participants)
+        return figures
+
+    def should_commit(self) -> bool:
+        """Every group's vote: False when a peer failed during the step (or too few groups
+        took part); the optimizer must then not step."""
+        return self.manager.should_commit()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def writes_checkpoints(self) -> bool:
+        """The one group that writes the shared checkpoint: rank 0 of the current quorum
+        (before any quorum, replica group 0)."""
+        rank = self.manager.participating_rank()  # None before any quorum
+        if rank is None:
+            return self.cfg.replica_id == 0 and not self._quorum_seen
+        return rank == 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: torch.tensor(v) for k, v in self.manager.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict({k: int(v) for k, v in state.items()})
+
+    # --- semi-synchronous -----------------------------------------------------------------
+    def wrap_optimizer_step(
+        self, model_parts: list[nn.Module], step_fn: Callable[[], Any]
+    ) -> Callable[[], Any]:
+        """LocalSGD / DiLoCo: ``step_fn`` (the optimizer step) wrapped so that every
+        ``sync_steps`` steps the groups synchronise through torchft."""
+        from torchtitan.components.fault_tolerance.semi_sync import SemiSync
+
+        self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn)
+        return self._semi.step
+
+    def shutdown(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception as err:  # shutting down after a failure: say it, do not mask it
+            logger.warning(f"fault tolerance: manager shutdown: {err}")
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same-dtype tensors of at most ``_BUCKET_ELEMENTS`` elements."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        if out and out[-1][0].dtype == t.dtype and size + t.numel() <= _BUCKET_ELEMENTS:
+            out[-1].append(t)
+            size += t.numel()
+        else:
+            out.append([t])
+            size = t.numel()
+    return out

@@ -1,0 +1,89 @@
+"""Where a replica group sits in a fault-tolerant job: its data, its outputs, its lighthouse.
+
+Torch-free on purpose: the pre-flight checks and the build use it before anything is started.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlsplit
+
+from torchtitan.config.job_config import FaultTolerance as FTConfig
+from torchtitan.config.job_config import JobConfig
+
+__all__ = [
+    "LIGHTHOUSE_ENV",
+    "FaultToleranceError",
+    "check_lighthouse",
+    "data_layout",
+    "lighthouse_address",
+    "split_group_outputs",
+]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+class FaultToleranceError(ValueError):
+    """A fault-tolerant job cannot start (no lighthouse, torchft missing): one line, exit 2."""
+
+
+def data_layout(ft: FTConfig, dp_degree: int, dp_rank: int) -> tuple[int, int]:
+    """``(data-parallel degree, data-parallel rank)`` of a rank in the whole job: group
+    ``replica_id`` reads the ``dp_degree`` shards after those of the groups before it."""
+    if not ft.enable:
+        return dp_degree, dp_rank
+    return dp_degree * ft.group_size, ft.replica_id * dp_degree + dp_rank
+
+
+def lighthouse_address(ft: FTConfig) -> str:
+    """``fault_tolerance.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; FaultToleranceError when
+    neither is set."""
+    address = ft.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise FaultToleranceError(
+            "fault_tolerance.enable needs the torchft lighthouse's address: set "
+            f"--fault_tolerance.lighthouse http://HOST:29510 or {LIGHTHOUSE_ENV} (start one with "
+            "`torchft_lighthouse --min_replicas 1`)"
+        )
+    if "://" not in address:
+        address = f"http://{address}"
+    return address
+
+
+def split_group_outputs(cfg: JobConfig) -> None:
+    """Give each replica group its own output folder, ``{dump_folder}/replica_{id}`` (logs,
+    metrics, profiles, traces), and keep one checkpoint folder, ``{dump_folder}/{folder}``,
+    shared by all groups: the group that writes checkpoints can change, and a full restart of
+    every group resumes from the same place. Changes ``cfg`` in place; no-op without FT."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    shared = os.path.abspath(os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+    cfg.checkpoint.folder = shared
+    cfg.job.dump_folder = os.path.join(cfg.job.dump_folder, f"replica_{ft.replica_id}")
+
+
+def check_lighthouse(ft: FTConfig, timeout_s: float = 3.0) -> None:
+    """Pre-flight: torchft is installed and the lighthouse accepts connections (one line,
+    FaultToleranceError, within ``timeout_s``). No-op without fault tolerance."""
+    if not ft.enable:
+        return
+    address = lighthouse_address(ft)
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise FaultToleranceError(
+            "fault_tolerance.enable needs torchft; pip install 'torchft>=0.2'"
+        )
+    parts = urlsplit(address)
+    host, port = parts.hostname or "localhost", parts.port or 29510
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise FaultToleranceError(
+            f"cannot reach the torchft lighthouse at {address} ({err.strerror or err}); start "
+            "it there with `torchft_lighthouse --min_replicas 1` or fix "
+            f"--fault_tolerance.lighthouse / {LIGHTHOUSE_ENV}"
+        ) from None
