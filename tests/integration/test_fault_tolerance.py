@@ -294,5 +294,17 @@ def test_unreachable_lighthouse_is_one_line(tmp_path, cpu_env):
     assert time.time() - start < 60
 
 
+def test_dry_runs_refuse_fault_tolerance(tmp_path, cpu_env):
+    env = {**_env(cpu_env, 4), "COMM_MODE": "fake_backend"}
+    proc = subprocess.run(
+        ["./run_train.sh", *ARGS, "--job.dump_folder", str(tmp_path), "--fault_tolerance.enable",
+         "--fault_tolerance.group_size", "2"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "error: COMM_MODE=fake_backend does not simulate fault tolerance (one process, no " \
+        "lighthouse, no replica groups): drop --fault_tolerance.enable" in proc.stderr
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,192 @@
+"""Fault tolerance, in-process: config rules, data layout, pre-flight, live state, launcher."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import REPO_ROOT
+from torchtitan.components.fault_tolerance import _buckets
+from torchtitan.components.fault_tolerance.layout import (
+    FaultToleranceError,
+    check_lighthouse,
+    data_layout,
+    lighthouse_address,
+    split_group_outputs,
+)
+from torchtitan.components.fault_tolerance.live_state import (
+    LiveState,
+    OptimizerLiveState,
+    like_template,
+)
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig, Optimizer
+from torchtitan.config.manager import ConfigManager, main
+from torchtitan.config.validation import validate
+
+DEBUG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
+FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+
+
+def cfg_of(*flags: str) -> JobConfig:
+    return ConfigManager().parse_args(["--job.config_file", DEBUG, *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fault_tolerance.enable"],
+         "fault_tolerance.group_size must be the number of replica groups (>= 1) with "
+         "fault_tolerance.enable, got 0"),
+        ([*FT, "--fault_tolerance.replica_id", "2"],
+         "fault_tolerance.replica_id=2 must be < fault_tolerance.group_size=2 (ids are 0 .. "
+         "group_size-1)"),
+        ([*FT, "--fault_tolerance.min_replica_size", "3"],
+         "fault_tolerance.min_replica_size=3 must be <= fault_tolerance.group_size=2 (no step "
+         "could ever commit)"),
+        ([*FT, "--fault_tolerance.semi_sync_method", "hogwild"],
+         "fault_tolerance.semi_sync_method must be one of local_sgd, diloco (or unset), got "
+         "'hogwild'"),
+        ([*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps",
+          "3", "--fault_tolerance.fragment_sync_delay", "3"],
+         "fault_tolerance.fragment_sync_delay=3 must be < fault_tolerance.sync_steps=3"),
+        ([*FT, "--fault_tolerance.process_group", "mpi"],
+         "fault_tolerance.process_group must be gloo or nccl, got 'mpi'"),
+        ([*FT, "--fault_tolerance.outer_momentum", "1.0"],
+         "fault_tolerance.outer_momentum must be in [0, 1), got 1.0"),
+    ],
+)
+def test_bad_settings_are_one_line(flags, message):
+    with pytest.raises(ConfigError) as info:
+        validate(cfg_of(*flags))
+    assert str(info.value) == message
+
+
+def test_settings_are_ignored_without_enable():
+    validate(cfg_of("--fault_tolerance.replica_id", "5"))  # group_size 0, but FT is off
+
+
+def test_groups_split_the_data_after_each_other():
+    ft = cfg_of(*FT, "--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id", "1")
+    ft = ft.fault_tolerance
+    assert [data_layout(ft, 2, r) for r in (0, 1)] == [(6, 2), (6, 3)]
+    assert data_layout(cfg_of().fault_tolerance, 2, 1) == (2, 1)
+
+
+def test_lighthouse_address_from_flag_or_environment(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(FaultToleranceError, match="needs the torchft lighthouse's address"):
+        lighthouse_address(cfg_of(*FT).fault_tolerance)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:1")
+    assert lighthouse_address(cfg_of(*FT).fault_tolerance) == "http://lh:1"
+    flag = cfg_of(*FT, "--fault_tolerance.lighthouse", "node7:29510").fault_tolerance
+    assert lighthouse_address(flag) == "http://node7:29510"
+
+
+def test_preflight_reaches_the_lighthouse(monkeypatch):
+    with socket.socket() as listening:
+        listening.bind(("localhost", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
+        check_lighthouse(cfg_of(*FT).fault_tolerance)
+    with pytest.raises(FaultToleranceError) as info:  # closed now
+        check_lighthouse(cfg_of(*FT).fault_tolerance)
+    assert str(info.value) == (
+        f"cannot reach the torchft lighthouse at http://localhost:{port} (Connection refused); "
+        "start it there with `torchft_lighthouse --min_replicas 1` or fix "
+        "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE"
+    )
+
+
+def test_config_tool_refuses_a_job_without_lighthouse(capsys, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    code = main(["--job.config_file", DEBUG, "--check", *FT])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(
+        "error: fault_tolerance.enable needs the torchft lighthouse's address"
+    )
+
+
+def test_each_group_writes_its_own_outputs_and_one_checkpoint_folder(tmp_path):
+    cfg = cfg_of(*FT, "--fault_tolerance.replica_id", "1", "--job.dump_folder", str(tmp_path))
+    split_group_outputs(cfg)
+    assert cfg.job.dump_folder == str(tmp_path / "replica_1")
+    assert cfg.checkpoint.folder == str(tmp_path / "checkpoint")
+
+
+def _trained(seed: int) -> tuple[nn.Module, object]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opts = build_optimizers([model], Optimizer(implementation="for-loop"))
+    model(torch.randn(3, 4)).sum().backward()
+    opts.step()
+    return model, opts
+
+
+def test_live_state_carries_weights_and_optimizer_exactly():
+    src_model, src_opts = _trained(0)
+    dst_model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    dst_opts = build_optimizers([dst_model], Optimizer(implementation="for-loop"))
+    sent = LiveState({"model": src_model, "optimizer": OptimizerLiveState(src_opts)}).save()
+    receiver = LiveState({"model": dst_model, "optimizer": OptimizerLiveState(dst_opts)})
+    receiver.load(sent)
+    assert receiver.loads == 1
+    for a, b in zip(src_model.parameters(), dst_model.parameters()):
+        assert torch.equal(a, b)
+    src_state = src_opts.optimizers[0].state_dict()["state"]
+    dst_state = dst_opts.optimizers[0].state_dict()["state"]
+    assert src_state.keys() == dst_state.keys()
+    for key in src_state:
+        assert torch.equal(src_state[key]["exp_avg_sq"], dst_state[key]["exp_avg_sq"])
+        assert float(src_state[key]["step"]) == float(dst_state[key]["step"]) == 1.0
+
+
+def test_an_optimizer_that_never_stepped_sends_nothing_and_stays_fresh():
+    """torch's optimizer state_dict would take a zero-lr step (Adam's step count 1)."""
+    model = nn.Linear(4, 2)
+    opts = build_optimizers([model], Optimizer(implementation="for-loop"))
+    live = OptimizerLiveState(opts)
+    assert live.state_dict() == {}
+    assert not opts.optimizers[0].state  # asking did not initialise it
+    _, stepped = _trained(1)
+    OptimizerLiveState(stepped).load_state_dict({})
+    assert not stepped.optimizers[0].state
+
+
+def test_like_template_keeps_plain_values_and_moves_tensors():
+    received = {"a": torch.ones(2), "b": [torch.zeros(1), 3], "c": "x"}
+    out = like_template(received, {"a": torch.empty(2), "b": [torch.empty(1), 0]})
+    assert torch.equal(out["a"], torch.ones(2)) and out["b"][1] == 3 and out["c"] == "x"
+
+
+def test_gradient_buckets_keep_order_and_split_by_dtype():
+    ts = [torch.zeros(3), torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(1)]
+    assert [[t.numel() for t in b] for b in _buckets(ts)] == [[3, 2], [2], [1]]
+
+
+def test_launcher_prints_the_lighthouse_and_one_command_per_group(capsys, monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: CPU groups
+    spec = importlib.util.spec_from_file_location(
+        "run_fault_tolerant", REPO_ROOT / "scripts" / "run_fault_tolerant.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--groups", "2", "--ranks-per-group", "4", "--print", "--",
+                        "--training.steps", "9"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "torchft_lighthouse --min_replicas 1 --bind '[::]:29510' --join_timeout_ms 10000"
+    )
+    assert lines[2] == (
+        f"NGPU=4 TORCHFT_LIGHTHOUSE=http://localhost:29510 {REPO_ROOT}/run_train.sh "
+        "--training.steps 9 --fault_tolerance.enable --fault_tolerance.group_size 2 "
+        "--fault_tolerance.replica_id 1"
+    )
