@@ -174,25 +174,43 @@ def hsdp_reference(tmp_path_factory, seed_checkpoint) -> dict[int, dict]:
     return _metrics(dump)
 
 
-def test_two_groups_equal_hsdp(tmp_path, cpu_env, lighthouse, seed_checkpoint, hsdp_reference):
-    """No failure: two fault-tolerant 2-rank groups take the HSDP run's steps."""
-    steps = 6
+def _run_groups(tmp_path: Path, env: dict, steps: int, seed: Path, *extra: str,
+                tag: str = "") -> list[dict[int, dict]]:
     procs = []
     for replica in (0, 1):
-        log = tmp_path / f"g{replica}.log"
-        flags = _group_flags(tmp_path / "out", replica, steps, seed_checkpoint,
-                             "--checkpoint.load_only")
-        procs.append((_start(_env(cpu_env, 2, lighthouse), log, *flags), log))
+        log = tmp_path / f"g{replica}{tag}.log"
+        flags = _group_flags(tmp_path / "out", replica, steps, seed, *extra)
+        procs.append((_start(env, log, *flags), log))
     for proc, log in procs:
         _wait(proc, log)
-    groups = [_metrics(tmp_path / "out" / f"replica_{r}") for r in (0, 1)]
-    for step in range(1, steps + 1):
+    return [_metrics(tmp_path / "out" / f"replica_{r}") for r in (0, 1)]
+
+
+def test_two_groups_equal_hsdp_and_resume_from_disk(tmp_path, cpu_env, lighthouse,
+                                                    seed_checkpoint, hsdp_reference):
+    """No failure: two fault-tolerant 2-rank groups take the HSDP run's steps. Then both stop
+    and start again: they resume from the shared checkpoint and still take the HSDP steps."""
+    env = _env(cpu_env, 2, lighthouse)
+    groups = _run_groups(tmp_path, env, 6, seed_checkpoint, "--checkpoint.interval", "3")
+    for step in range(1, 7):
         ref = hsdp_reference[step]
         for g in groups:
             assert abs(g[step]["loss"] - ref["loss"]) < LOSS_TOL, (step, g[step], ref)
             assert abs(g[step]["grad_norm"] - ref["grad_norm"]) < GRAD_NORM_TOL, step
             assert g[step]["ft/replica_groups"] == 2
         assert groups[0][step]["ft/param_checksum"] == groups[1][step]["ft/param_checksum"]
+    writers = [r for r in (0, 1) if "saved checkpoint" in (tmp_path / f"g{r}.log").read_text()]
+    assert writers == [0]  # rank 0 of the quorum: replica group 0 here
+    ckpt = tmp_path / "out" / "checkpoint"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-3", "step-6"
+    ]
+
+    groups = _run_groups(tmp_path, env, 9, seed_checkpoint, tag="_resumed")
+    for r, g in enumerate(groups):
+        assert "Training starts at step 7" in (tmp_path / f"g{r}_resumed.log").read_text()
+        for step in (7, 8, 9):
+            assert abs(g[step]["loss"] - hsdp_reference[step]["loss"]) < LOSS_TOL, (step, r)
 
 
 def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_min1,
