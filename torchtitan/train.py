@@ -265,7 +265,13 @@ class Trainer(Stateful):
         and loaded a peer's live state."""
         if self.ft is None or self.ft.semi_sync:
             return False
-        return self.ft.begin_step()
+        try:
+            return self.ft.begin_step()
+        except RuntimeError as err:  # the lighthouse went away mid-run
+            raise TrainingError(
+                f"{err} before step {self.step + 1}; a full restart of the replica groups "
+                "resumes from the shared checkpoint: " + self.checkpointer.resume_hint(self.step)
+            ) from None
 
     def _install_preemption_handler(self) -> None:
         self.preemption.install()
