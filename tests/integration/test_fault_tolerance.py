@@ -51,13 +51,18 @@ def _free_port() -> int:
 
 
 class Lighthouse:
-    """``torchft_lighthouse`` on a free port; a group that stops heartbeating for 1 s is dead."""
+    """``torchft_lighthouse`` on a free port; a group that stops heartbeating for 1 s is dead.
+
+    A quorum waits up to 10 s for a live group that has not asked for it yet (one that is
+    mid-step on a loaded machine): with a short join timeout, two live groups could each get a
+    quorum of their own and train apart.
+    """
 
     def __init__(self, min_replicas: int = 1):
         self.port = _free_port()
         self.proc = subprocess.Popen(
             ["torchft_lighthouse", "--min_replicas", str(min_replicas), "--bind",
-             f"[::]:{self.port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000",
+             f"[::]:{self.port}", "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "1000",
              "--quorum_tick_ms", "50"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

@@ -470,6 +470,10 @@ class FaultTolerance:
     quorum_timeout_seconds: int = 60
     """How long a group waits for a quorum before giving up with an error."""
 
+    startup_wait_seconds: int = 60
+    """Before its first step a group waits up to this long for all group_size groups to be in
+    its quorum (0: start with the groups that are up; later ones catch up by healing)."""
+
     sync_steps: int = 5
     """local_sgd / diloco: optimizer steps between two synchronisations of the groups."""
 

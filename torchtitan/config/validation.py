@@ -100,6 +100,7 @@ CHECKS: dict[str, Check] = {
     "fault_tolerance.min_replica_size": _ge(1),
     "fault_tolerance.process_group_timeout_ms": _gt(0),
     "fault_tolerance.quorum_timeout_seconds": _gt(0),
+    "fault_tolerance.startup_wait_seconds": _ge(0),
     "fault_tolerance.sync_steps": _ge(1),
     "fault_tolerance.fragment_sync_delay": _ge(0),
     "fault_tolerance.fragment_update_alpha": _unit(),

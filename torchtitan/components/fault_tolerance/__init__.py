@@ -17,6 +17,7 @@ schedule, data position, step) from a healthy peer over torchft's checkpoint tra
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -127,20 +128,45 @@ class FaultTolerance:
 
     # --- synchronous steps ----------------------------------------------------------------
     def begin_step(self) -> bool:
-        """Form this step's quorum (healing this group if it is behind); True if healed."""
+        """Form this step's quorum (healing this group if it is behind); True if healed.
+
+        The first time, a group that healed joined running peers; one that did not waits (up
+        to ``startup_wait_seconds``) until every group is in its quorum, so that groups
+        starting a few seconds apart do not take their first steps alone.
+        """
         before = self.live_state.loads if self.live_state is not None else 0
-        try:
-            self.manager.start_quorum()
-        except Exception as err:
-            raise self._quorum_error(err) from None
-        self._quorum_seen = True
+        first = not self._quorum_seen
+        self._start_quorum()
         healed = self.live_state is not None and self.live_state.loads > before
+        if first and not healed:
+            self._wait_for_all_groups()
+            healed = self.live_state is not None and self.live_state.loads > before
         if healed:
             logger.warning(
                 f"Fault tolerance: replica group {self.cfg.replica_id} recovered the live "
                 f"state of step {self.manager.current_step()} from a peer"
             )
         return healed
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as err:
+            raise self._quorum_error(err) from None
+        self._quorum_seen = True
+
+    def _wait_for_all_groups(self) -> None:
+        want, wait = self.cfg.group_size, self.cfg.startup_wait_seconds
+        if self.participants >= want or wait <= 0:
+            return
+        logger.info(f"Fault tolerance: waiting up to {wait}s for all {want} replica groups")
+        deadline = time.monotonic() + wait
+        while self.participants < want and time.monotonic() < deadline:
+            time.sleep(0.5)
+            self._start_quorum()
+        logger.info(
+            f"Fault tolerance: starting with {self.participants} of {want} replica groups"
+        )
 
     def _quorum_error(self, err: Exception) -> Exception:
         line = " ".join(str(err).split())[:200]
