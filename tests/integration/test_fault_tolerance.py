@@ -229,6 +229,7 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
     flags = [_group_flags(out, r, LONG_RUN, seed_checkpoint, "--checkpoint.interval", "100")
              for r in (0, 1)]
     g0 = _start(env, logs[0], *flags[0])
+    time.sleep(3)  # group 0 waits for group 1 before its first step (startup_wait_seconds)
     g1 = _start(env, logs[1], *flags[1])
     deadline = time.time() + 120
     while max(_metrics(out / "replica_1"), default=0) < 4:
@@ -257,6 +258,7 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
 
     m0, m1 = _metrics(out / "replica_0"), _metrics(out / "replica_1")
     assert max(m0) == LONG_RUN and max(m1) == LONG_RUN
+    assert m0[1]["ft/replica_groups"] == 2, "the groups should take their first step together"
     alone = [s for s in m0 if s > killed_at and m0[s]["ft/replica_groups"] == 1]
     assert alone, "group 0 should have committed steps alone while group 1 was down"
     assert "recovered the live state of step" in logs[2].read_text()
