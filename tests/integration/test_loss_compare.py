@@ -44,35 +44,15 @@ def test_compare_verdict():
 
 
 @pytest.mark.slow
-def test_fsdp2_equals_ddp2_from_seed_checkpoint(tmp_path):
-    """Same dp degree (so the same data), different sharding: equal losses."""
+def test_different_global_batch_is_reported_different(tmp_path):
+    """A different global batch is a different run: the tool must say so and exit 1. (Equal
+    layouts giving EQUAL: the --help examples below.)"""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    seed_dir = tmp_path / "seed"
-    subprocess.run(
-        ["./run_train.sh", *TINY.split(), "--checkpoint.enable",
-         "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(seed_dir)],
-        cwd=ROOT, env={**env, "NGPU": "1"}, check=True, capture_output=True, timeout=300,
-    )
-    seed = (
-        f"--checkpoint.enable --checkpoint.initial_load_path {seed_dir}/checkpoint/step-0 "
-        "--checkpoint.load_only"
-    )
-    common = ["--steps", "3", "--dump-folder", str(tmp_path / "cmp")]
-    equal = subprocess.run(
-        [sys.executable, "scripts/loss_compare.py", *common, "--assert-equal",
-         "--a", f"NGPU=2 {TINY} {seed} --parallelism.data_parallel_shard_degree 2 "
-                "--training.mixed_precision_param float32",
-         "--b", f"NGPU=2 {TINY} {seed} --parallelism.data_parallel_shard_degree 1 "
-                "--parallelism.data_parallel_replicate_degree 2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert equal.returncode == 0, equal.stdout + equal.stderr[-3000:]
-    assert "verdict: EQUAL" in equal.stdout
-    # A different global batch is a different run: the tool must say so and exit 1.
     differ = subprocess.run(
-        [sys.executable, "scripts/loss_compare.py", *common, "--assert-equal",
-         "--a", f"NGPU=1 {TINY} {seed} --training.local_batch_size 4",
-         "--b", f"NGPU=1 {TINY} {seed} --training.local_batch_size 2"],
+        [sys.executable, "scripts/loss_compare.py", "--steps", "3", "--dump-folder",
+         str(tmp_path / "cmp"), "--assert-equal",
+         "--a", f"NGPU=1 {TINY} --training.local_batch_size 4",
+         "--b", f"NGPU=1 {TINY} --training.local_batch_size 2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert differ.returncode == 1, differ.stdout + differ.stderr[-3000:]
