@@ -32,6 +32,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 FT_KEY = "fault_tolerance"
+SEMI_SYNC_KEY = "fault_tolerance_semi_sync"
 
 
 class TrainingError(RuntimeError):
@@ -96,6 +97,7 @@ class Trainer(Stateful):
             tokenizer=run.tokenizer,
         )
         self.validator = build_validator(run) if cfg.validation.enable else None
+        self._data_iterator_stale = False
         self.ft = self._build_fault_tolerance() if cfg.fault_tolerance.enable else None
         self._step_optimizer = (
             self.ft.wrap_optimizer_step(self.model_parts, lambda: optimizer_step(run))
@@ -127,7 +129,11 @@ class Trainer(Stateful):
         """torchft's manager for this rank; a rejoining group receives this trainer's live
         state, and in synchronous mode the gradients are averaged over the groups."""
         from torchtitan.components.fault_tolerance import FaultTolerance
-        from torchtitan.components.fault_tolerance.live_state import LiveState, OptimizerLiveState
+        from torchtitan.components.fault_tolerance.live_state import (
+            LiveState,
+            OptimizerLiveState,
+            StateWithout,
+        )
 
         group_rank = dist.get_rank() if dist.is_initialized() else 0
         group_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -137,12 +143,18 @@ class Trainer(Stateful):
             "optimizer": OptimizerLiveState(self.optimizers),
             "lr_scheduler": self.lr_schedulers,
             "dataloader": self.dataloader,
-            "train_state": self,
+            # torchft sends DiLoCo's own state to a rejoining group itself
+            "train_state": StateWithout(self, SEMI_SYNC_KEY),
         }
-        ft.register_live_state(LiveState(parts))
+        ft.register_live_state(LiveState(parts, after_load=self._peer_state_loaded))
         if not ft.semi_sync:
             self.run.after_backward.append(ft.sync_gradients_hook(self.model_parts))
         return ft
+
+    def _peer_state_loaded(self) -> None:
+        # The dataloader now holds the peer's stream position, which only a new iterator
+        # follows (a semi-synchronous group heals inside its optimizer step, mid-loop).
+        self._data_iterator_stale = True
 
     # --- one step ------------------------------------------------------------------------
     def next_batch(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +199,8 @@ class Trainer(Stateful):
             self.checkpointer.save_seed_checkpoint()
             return
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if self.ft is not None:
+            self.ft.after_checkpoint_load()
         self.comm_mode.load_initial_weights(self.model_parts)  # COMM_MODE=local_tensor
         if "optimizer" in self.checkpointer.loaded:
             from torchtitan.components.lr_scheduler import reconcile_peak_lr
@@ -208,8 +222,9 @@ class Trainer(Stateful):
             flight_recorder.CollectiveWatchdog(cfg.comm, dump_folder) as watchdog,
         ):
             while self.step < cfg.training.steps:
-                if self._begin_ft_step():  # healed from a peer: its step and data position
-                    data_iterator = iter(self.dataloader)
+                self._begin_ft_step()  # may heal from a peer: its step and data position
+                if self._data_iterator_stale:
+                    data_iterator, self._data_iterator_stale = iter(self.dataloader), False
                     if self.step >= cfg.training.steps:
                         break
                 before = self._pre_step_state()
@@ -309,8 +324,9 @@ class Trainer(Stateful):
 
     # --- Stateful ------------------------------------------------------------------------
     # Per-rank RNG states saved by another layout are absent on load (rng_state.py).
-    # torchft's step count is saved by fault-tolerant runs only.
-    optional_state_keys = (RNG_KEY, FT_KEY)
+    # torchft's step count is saved by fault-tolerant runs only, LocalSGD / DiLoCo state by
+    # semi-synchronous ones.
+    optional_state_keys = (RNG_KEY, FT_KEY, SEMI_SYNC_KEY)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -320,6 +336,8 @@ class Trainer(Stateful):
         }
         if getattr(self, "ft", None) is not None:
             state[FT_KEY] = self.ft.state_dict()
+            if self.ft.semi_sync:
+                state[SEMI_SYNC_KEY] = self.ft.semi_sync_state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -328,6 +346,8 @@ class Trainer(Stateful):
         self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
         if getattr(self, "ft", None) is not None and state_dict.get(FT_KEY):
             self.ft.load_state_dict(state_dict[FT_KEY])
+        if getattr(self, "ft", None) is not None and state_dict.get(SEMI_SYNC_KEY):
+            self.ft.load_semi_sync_state_dict(state_dict[SEMI_SYNC_KEY])
 
 
 def _out_of_memory(err: BaseException) -> bool:

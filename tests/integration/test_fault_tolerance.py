@@ -284,20 +284,37 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
 def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthouse, seed_checkpoint,
                                                     method):
     steps, k = 6, 3
-    procs = []
-    for replica in (0, 1):
-        log = tmp_path / f"g{replica}.log"
-        flags = _group_flags(tmp_path / "out", replica, steps, seed_checkpoint,
-                             "--checkpoint.load_only", "--fault_tolerance.semi_sync_method",
-                             method, "--fault_tolerance.sync_steps", str(k))
-        procs.append((_start(_env(cpu_env, 2, lighthouse), log, *flags), log))
-    for proc, log in procs:
-        _wait(proc, log)
-    g0, g1 = (_metrics(tmp_path / "out" / f"replica_{r}") for r in (0, 1))
+    semi = ["--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", str(k)]
+    g0, g1 = _run_groups(tmp_path, _env(cpu_env, 2, lighthouse), steps, seed_checkpoint,
+                         "--checkpoint.load_only", *semi)
     for step in range(1, steps + 1):
         same = g0[step]["ft/param_checksum"] == g1[step]["ft/param_checksum"]
         # Between syncs the groups train apart on their own data; each sync makes them equal.
         assert same == (step % k == 0), (step, g0[step], g1[step])
+
+
+def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
+                                                               seed_checkpoint):
+    """One replica group, DiLoCo every 3 steps, restarted from the checkpoint of step 4: steps
+    5-7 (the step-6 sync included) are bit for bit those of the uninterrupted run. The interval
+    position, the last sync's parameters and the outer momentum are in the checkpoint; without
+    them the sync moves to step 7, or the pseudo-gradient is measured from the weights of step 4
+    (or of the random init: the groups use another seed than the seed checkpoint's)."""
+    env = _env(cpu_env, 2, lighthouse_min1)
+    flags = [*_group_flags(tmp_path / "out", 0, 7, seed_checkpoint, "--fault_tolerance.group_size",
+                           "1", "--fault_tolerance.semi_sync_method", "diloco",
+                           "--fault_tolerance.sync_steps", "3", "--debug.seed", "4")]
+    for tag, extra in (("", ["--checkpoint.interval", "4"]),
+                       ("_resumed", ["--checkpoint.load_step", "4", "--checkpoint.load_only"])):
+        log = tmp_path / f"g0{tag}.log"
+        _wait(_start(env, log, *flags, *extra), log)
+        if not tag:
+            before = _metrics(tmp_path / "out" / "replica_0")
+    assert "Training starts at step 5" in (tmp_path / "g0_resumed.log").read_text()
+    after = _metrics(tmp_path / "out" / "replica_0")
+    for step in (5, 6, 7):
+        assert after[step]["loss"] == before[step]["loss"], step
+        assert after[step]["ft/param_checksum"] == before[step]["ft/param_checksum"], step
 
 
 def test_unreachable_lighthouse_is_one_line(tmp_path, cpu_env):

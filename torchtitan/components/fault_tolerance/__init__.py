@@ -259,6 +259,18 @@ class FaultTolerance:
         self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn)
         return self._semi.step
 
+    def semi_sync_state_dict(self) -> dict[str, Any]:
+        """LocalSGD / DiLoCo state for checkpoints (see ``semi_sync``)."""
+        return self._semi.state_dict()
+
+    def load_semi_sync_state_dict(self, state: dict[str, Any]) -> None:
+        self._semi.load_state_dict(state)
+
+    def after_checkpoint_load(self) -> None:
+        """Called once the checkpoint (if any) is loaded, before the first step."""
+        if self.semi_sync:
+            self._semi.after_checkpoint_load()
+
     def shutdown(self) -> None:
         try:
             self.manager.shutdown(wait=False)

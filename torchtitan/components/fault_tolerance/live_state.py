@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["LiveState", "OptimizerLiveState", "like_template", "to_local"]
+__all__ = ["LiveState", "OptimizerLiveState", "StateWithout", "like_template", "to_local"]
 
 
 def to_local(value: Any) -> Any:
@@ -100,3 +100,16 @@ class OptimizerLiveState:
             like = self.optimizers.state_dict()
             state = like_template(to_local(state), like)
         self.optimizers.load_state_dict(state)
+
+
+class StateWithout:
+    """A Stateful's state without some top-level keys (state that travels another way)."""
+
+    def __init__(self, part: Any, *keys: str) -> None:
+        self.part, self.keys = part, keys
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.part.state_dict().items() if k not in self.keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict(state)

@@ -11,6 +11,11 @@ then the groups form a quorum and synchronise:
 Both hook the optimizer step: torchft registers them on a ``torch.optim.Optimizer``, so the
 Trainer's step (all optimizers of all model parts, the LR schedules...) runs inside
 :class:`_HookedStep`, an optimizer whose ``step`` is that function.
+
+Checkpoints hold the position in the sync interval and, for DiLoCo, the parameters of the last
+sync and the outer momentum (as DTensors shaped like the parameters, so they reshard), so a
+full restart continues the interval exactly. A run that starts from weights without that state
+(a seed checkpoint, HF weights, a synchronous run's checkpoint) starts a new interval from them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import nn
 
 from torchtitan.config.job_config import FaultTolerance as FTConfig
 from torchtitan.tools.logging import logger
+
+LOCAL_STEP, ORIGINAL, OUTER_MOMENTUM = "local_step", "original_parameters", "outer_momentum"
 
 __all__ = ["SemiSync"]
 
@@ -50,13 +57,21 @@ class SemiSync:
 
         model = nn.ModuleList(model_parts)  # one fragment: all parts sync together
         params = [p for p in model.parameters() if p.requires_grad]
+        # torchft names the fragment's parameters "<part index>.<FQN>"; checkpoints use the FQN
+        self._named = [
+            (name, name.split(".", 1)[1], p)
+            for name, p in model.named_parameters() if p.requires_grad
+        ]
         self._hooked = _HookedStep(params, step_fn)
+        self._cfg = cfg
+        self._restored = False
+        self.outer: torch.optim.SGD | None = None
         if cfg.semi_sync_method == "local_sgd":
             self.algorithm = LocalSGD(manager, model, self._hooked, sync_every=cfg.sync_steps)
         else:
-            outer = torch.optim.SGD(
-                params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
-            )
+            momentum = cfg.outer_momentum
+            outer = torch.optim.SGD(params, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
+            self.outer = outer
             self.algorithm = DiLoCo(
                 manager, [model], self._hooked, outer, sync_every=cfg.sync_steps,
                 pin_memory=torch.cuda.is_available(),
@@ -75,3 +90,69 @@ class SemiSync:
 
     def close(self) -> None:
         self.algorithm.__exit__(None, None, None)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    # torchft keeps this state in private attributes (``_local_step``, the fragment's
+    # ``original_parameters``); tests/integration/test_fault_tolerance.py resumes mid-interval
+    # and fails if they move.
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the sync interval; DiLoCo: the last sync's parameters and the
+        outer momentum (zeros before the first sync: the same first outer step)."""
+        state: dict[str, Any] = {LOCAL_STEP: torch.tensor(self.algorithm._local_step)}
+        if self.outer is None:
+            return state
+        original = self.algorithm._fragments[0].original_parameters
+        state[ORIGINAL] = {fqn: _like(p, original[name]) for name, fqn, p in self._named}
+        momentum = {}
+        for _, fqn, p in self._named:
+            buf = self.outer.state.get(p, {}).get("momentum_buffer")
+            momentum[fqn] = buf if buf is not None else torch.zeros_like(p.detach())
+        state[OUTER_MOMENTUM] = momentum
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        local_step = int(state[LOCAL_STEP])
+        delay = self._cfg.fragment_sync_delay
+        if delay and local_step >= self._cfg.sync_steps - delay:
+            # saved while a sync's all-reduce was in flight, which a checkpoint cannot hold:
+            # every group (a full restart loads the same checkpoint) restarts the interval
+            logger.warning(
+                f"Fault tolerance: the checkpoint was saved {local_step} steps into a "
+                f"{self._cfg.sync_steps}-step interval, during a delayed DiLoCo sync; the "
+                "interval starts again from the last sync's parameters"
+            )
+            local_step = 0
+        self.algorithm._local_step = local_step
+        if self.outer is not None:
+            original = self.algorithm._fragments[0].original_parameters
+            with torch.no_grad():
+                for name, fqn, p in self._named:
+                    original[name].copy_(_local(state[ORIGINAL][fqn]))
+                    self.outer.state[p]["momentum_buffer"] = state[OUTER_MOMENTUM][fqn]
+        self._restored = True
+
+    def after_checkpoint_load(self) -> None:
+        """Weights loaded without semi-sync state start a new interval (DiLoCo measures the
+        next pseudo-gradient from them, not from the weights before the load)."""
+        if self.outer is not None and not self._restored:
+            self.algorithm._fragments[0].save_parameters()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a shard, kept on the CPU by torchft) as a tensor laid out like ``param``: on
+    its device, a DTensor when it is one."""
+    from torch.distributed.tensor import DTensor
+
+    local = local.to(_local(param).device)
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(),
+        run_check=False,
+    )
