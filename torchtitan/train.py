@@ -275,13 +275,13 @@ class Trainer(Stateful):
                     return
         logger.info("Training completed")
 
-    def _begin_ft_step(self) -> bool:
-        """Synchronous fault tolerance: this step's quorum; True when this group was behind
-        and loaded a peer's live state."""
+    def _begin_ft_step(self) -> None:
+        """Synchronous fault tolerance: this step's quorum (a group that is behind loads a
+        peer's live state: ``_peer_state_loaded``)."""
         if self.ft is None or self.ft.semi_sync:
-            return False
+            return
         try:
-            return self.ft.begin_step()
+            self.ft.begin_step()
         except RuntimeError as err:  # the lighthouse went away mid-run
             raise TrainingError(
                 f"{err} before step {self.step + 1}; a full restart of the replica groups "
