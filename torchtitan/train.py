@@ -344,10 +344,11 @@ class Trainer(Stateful):
         self.step = int(state_dict["step"])
         self.ntokens_seen = int(state_dict.get("ntokens_seen", 0))
         self.rng_state.load_state_dict(state_dict.get(RNG_KEY))
-        if getattr(self, "ft", None) is not None and state_dict.get(FT_KEY):
-            self.ft.load_state_dict(state_dict[FT_KEY])
-        if getattr(self, "ft", None) is not None and state_dict.get(SEMI_SYNC_KEY):
-            self.ft.load_semi_sync_state_dict(state_dict[SEMI_SYNC_KEY])
+        if getattr(self, "ft", None) is not None:
+            if state_dict.get(FT_KEY):
+                self.ft.load_state_dict(state_dict[FT_KEY])
+            if state_dict.get(SEMI_SYNC_KEY):
+                self.ft.load_semi_sync_state_dict(state_dict[SEMI_SYNC_KEY])
 
 
 def _out_of_memory(err: BaseException) -> bool:

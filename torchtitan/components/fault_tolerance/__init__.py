@@ -31,7 +31,7 @@ from torchtitan.components.fault_tolerance.layout import (
     lighthouse_address,
     split_group_outputs,
 )
-from torchtitan.components.fault_tolerance.live_state import LiveState
+from torchtitan.components.fault_tolerance.live_state import LiveState, to_local
 from torchtitan.config.job_config import FaultTolerance as FTConfig
 from torchtitan.tools.logging import logger
 
@@ -56,12 +56,6 @@ def _import_torchft() -> Any:
             f"fault_tolerance.enable needs torchft ({err}); pip install 'torchft>=0.2'"
         ) from None
     return torchft
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FaultTolerance:
@@ -190,7 +184,7 @@ class FaultTolerance:
 
         @torch.no_grad()
         def hook() -> None:
-            grads = [_local(p.grad) for p in params if p.grad is not None]
+            grads = [to_local(p.grad) for p in params if p.grad is not None]
             for bucket in _buckets(grads):
                 flat = torch.cat([g.reshape(-1) for g in bucket])
                 self.manager.allreduce(flat).wait()
@@ -217,7 +211,7 @@ class FaultTolerance:
         with torch.no_grad():
             for part in model_parts:
                 for p in part.parameters():
-                    total += _local(p).detach().double().sum().cpu()
+                    total += to_local(p).detach().double().sum().cpu()
         if dist.is_initialized():
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             t = total.to(device)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan.components.fault_tolerance.live_state import to_local
 from torchtitan.config.job_config import FaultTolerance as FTConfig
 from torchtitan.tools.logging import logger
 
@@ -70,10 +71,11 @@ class SemiSync:
             self.algorithm = LocalSGD(manager, model, self._hooked, sync_every=cfg.sync_steps)
         else:
             momentum = cfg.outer_momentum
-            outer = torch.optim.SGD(params, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
-            self.outer = outer
+            self.outer = torch.optim.SGD(
+                params, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0
+            )
             self.algorithm = DiLoCo(
-                manager, [model], self._hooked, outer, sync_every=cfg.sync_steps,
+                manager, [model], self._hooked, self.outer, sync_every=cfg.sync_steps,
                 pin_memory=torch.cuda.is_available(),
                 fragment_sync_delay=cfg.fragment_sync_delay,
                 fragment_update_alpha=cfg.fragment_update_alpha,
@@ -127,7 +129,7 @@ class SemiSync:
             original = self.algorithm._fragments[0].original_parameters
             with torch.no_grad():
                 for name, fqn, p in self._named:
-                    original[name].copy_(_local(state[ORIGINAL][fqn]))
+                    original[name].copy_(to_local(state[ORIGINAL][fqn]))
                     self.outer.state[p]["momentum_buffer"] = state[OUTER_MOMENTUM][fqn]
         self._restored = True
 
@@ -138,18 +140,12 @@ class SemiSync:
             self.algorithm._fragments[0].save_parameters()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (a shard, kept on the CPU by torchft) as a tensor laid out like ``param``: on
     its device, a DTensor when it is one."""
     from torch.distributed.tensor import DTensor
 
-    local = local.to(_local(param).device)
+    local = local.to(to_local(param).device)
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(
