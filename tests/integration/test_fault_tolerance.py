@@ -286,11 +286,26 @@ def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthous
     steps, k = 6, 3
     semi = ["--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", str(k)]
     g0, g1 = _run_groups(tmp_path, _env(cpu_env, 2, lighthouse), steps, seed_checkpoint,
-                         "--checkpoint.load_only", *semi)
+                         "--checkpoint.interval", "4", *semi)
     for step in range(1, steps + 1):
         same = g0[step]["ft/param_checksum"] == g1[step]["ft/param_checksum"]
         # Between syncs the groups train apart on their own data; each sync makes them equal.
         assert same == (step % k == 0), (step, g0[step], g1[step])
+    # At the first sync torchft copies one group's state into the other (init_sync), data
+    # position included: the trainer must read on from it, and the step-4 checkpoint then holds
+    # 4 steps x 2 groups x 2 ranks x 2 sequences (a stale iterator left it at 3 steps: 24).
+    assert _saved_data_position(tmp_path / "out" / "checkpoint" / "step-4") == 32
+
+
+def _saved_data_position(step_dir: Path) -> int:
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step_dir, step_dir.parent.parent / "as_torch.pt")
+    state = torch.load(step_dir.parent.parent / "as_torch.pt", weights_only=False)
+    return pickle.loads(state["dataloader"]["data_stream"])["position"]
 
 
 def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
