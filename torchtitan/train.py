@@ -7,7 +7,7 @@ import gc
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -100,7 +100,7 @@ class Trainer(Stateful):
         self._data_iterator_stale = False
         self.ft = self._build_fault_tolerance() if cfg.fault_tolerance.enable else None
         self._step_optimizer = (
-            self.ft.wrap_optimizer_step(self.model_parts, lambda: optimizer_step(run))
+            self._semi_sync_step(run)
             if self.ft is not None and self.ft.semi_sync
             else lambda: optimizer_step(run)
         )
@@ -150,6 +150,18 @@ class Trainer(Stateful):
         if not ft.semi_sync:
             self.run.after_backward.append(ft.sync_gradients_hook(self.model_parts))
         return ft
+
+    def _semi_sync_step(self, run: Any) -> Callable[[], Any]:
+        """The optimizer step inside LocalSGD / DiLoCo (DiLoCo's fragments are cut from the
+        whole model's units: with pipeline parallelism, those of every stage)."""
+        from torchtitan.components.fault_tolerance.fragments import model_units
+
+        stages = run.pipeline.layout.fqns_per_stage if run.pipeline is not None else None
+        n_layers = run.model_args.n_layers
+        units = model_units(self.model_parts, stages, n_layers)
+        return self.ft.wrap_optimizer_step(
+            self.model_parts, lambda: optimizer_step(run), units, n_layers
+        )
 
     def _peer_state_loaded(self) -> None:
         # The dataloader now holds the peer's stream position, which only a new iterator

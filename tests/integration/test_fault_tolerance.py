@@ -297,6 +297,24 @@ def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthous
     assert _saved_data_position(tmp_path / "out" / "checkpoint" / "step-4") == 32
 
 
+def test_diloco_fragments_each_identical_after_their_own_sync(tmp_path, cpu_env, lighthouse,
+                                                             seed_checkpoint):
+    """Streaming DiLoCo, 2 fragments, sync_steps 4: a fragment syncs every 2 steps, in turn
+    (fragment 1 first after the first quorum's state copy, which makes the groups equal at
+    step 2); right after its sync a fragment is equal across the groups, the other is not."""
+    semi = ["--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4",
+            "--fault_tolerance.num_fragments", "2"]
+    g0, g1 = _run_groups(tmp_path, _env(cpu_env, 2, lighthouse), 8, seed_checkpoint, *semi)
+    assert g0[2]["ft/param_checksum"] == g1[2]["ft/param_checksum"]
+    for step in range(3, 9):
+        synced = (step // 2 - 1) % 2 if step % 2 == 0 else None
+        for f in (0, 1):
+            key = f"ft/fragment_{f}_checksum"
+            assert (g0[step][key] == g1[step][key]) == (f == synced), (step, f)
+        assert g0[step]["ft/param_checksum"] != g1[step]["ft/param_checksum"], step
+    assert "one of 2 fragments every 2 steps" in (tmp_path / "g0.log").read_text()
+
+
 def _saved_data_position(step_dir: Path) -> int:
     import pickle
 
@@ -308,26 +326,33 @@ def _saved_data_position(step_dir: Path) -> int:
     return pickle.loads(state["dataloader"]["data_stream"])["position"]
 
 
+@pytest.mark.parametrize(
+    ("sync_steps", "fragments", "saved_at"), [(3, 1, 4), (4, 2, 3)], ids=["whole", "2_fragments"]
+)
 def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
-                                                               seed_checkpoint):
-    """One replica group, DiLoCo every 3 steps, restarted from the checkpoint of step 4: steps
-    5-7 (the step-6 sync included) are bit for bit those of the uninterrupted run. The interval
-    position, the last sync's parameters and the outer momentum are in the checkpoint; without
-    them the sync moves to step 7, or the pseudo-gradient is measured from the weights of step 4
-    (or of the random init: the groups use another seed than the seed checkpoint's)."""
+                                                               seed_checkpoint, sync_steps,
+                                                               fragments, saved_at):
+    """One replica group, DiLoCo, restarted from a checkpoint taken between two syncs: the
+    steps after it (syncs included) are bit for bit those of the uninterrupted run. The
+    interval position, each fragment's parameters of its last sync and the outer momentum are
+    in the checkpoint; without them the sync moves, or the pseudo-gradient is measured from
+    the weights of the checkpoint (or of the random init: the groups use another seed than
+    the seed checkpoint's)."""
     env = _env(cpu_env, 2, lighthouse_min1)
     flags = [*_group_flags(tmp_path / "out", 0, 7, seed_checkpoint, "--fault_tolerance.group_size",
                            "1", "--fault_tolerance.semi_sync_method", "diloco",
-                           "--fault_tolerance.sync_steps", "3", "--debug.seed", "4")]
-    for tag, extra in (("", ["--checkpoint.interval", "4"]),
-                       ("_resumed", ["--checkpoint.load_step", "4", "--checkpoint.load_only"])):
+                           "--fault_tolerance.sync_steps", str(sync_steps),
+                           "--fault_tolerance.num_fragments", str(fragments), "--debug.seed", "4")]
+    for tag, extra in (("", ["--checkpoint.interval", str(saved_at)]),
+                       ("_resumed", ["--checkpoint.load_step", str(saved_at),
+                                     "--checkpoint.load_only"])):
         log = tmp_path / f"g0{tag}.log"
         _wait(_start(env, log, *flags, *extra), log)
         if not tag:
             before = _metrics(tmp_path / "out" / "replica_0")
-    assert "Training starts at step 5" in (tmp_path / "g0_resumed.log").read_text()
+    assert f"Training starts at step {saved_at + 1}" in (tmp_path / "g0_resumed.log").read_text()
     after = _metrics(tmp_path / "out" / "replica_0")
-    for step in (5, 6, 7):
+    for step in range(saved_at + 1, 8):
         assert after[step]["loss"] == before[step]["loss"], step
         assert after[step]["ft/param_checksum"] == before[step]["ft/param_checksum"], step
 

@@ -477,8 +477,17 @@ class FaultTolerance:
     sync_steps: int = 5
     """local_sgd / diloco: optimizer steps between two synchronisations of the groups."""
 
+    num_fragments: int = 1
+    """diloco: split the model into this many fragments that synchronise in turn (streaming
+    DiLoCo): one every sync_steps / num_fragments steps, each every sync_steps steps. Layers are
+    spread evenly, the embedding with the first fragment, the norm and output with the last."""
+
+    module_fqns_per_model_fragment: list[list[str]] = field(default_factory=list)
+    """diloco: the modules of each fragment, e.g. [["tok_embeddings", "layers.0"], ["layers.1",
+    "norm", "output"]] (instead of num_fragments' even split)."""
+
     fragment_sync_delay: int = 0
-    """diloco: steps between starting a synchronisation and waiting for it (streaming DiLoCo)."""
+    """diloco: steps between starting a fragment's synchronisation and waiting for it."""
 
     fragment_update_alpha: float = 0.0
     """diloco: weight of the local parameters when merging them with the global ones."""

@@ -102,6 +102,7 @@ CHECKS: dict[str, Check] = {
     "fault_tolerance.quorum_timeout_seconds": _gt(0),
     "fault_tolerance.startup_wait_seconds": _ge(0),
     "fault_tolerance.sync_steps": _ge(1),
+    "fault_tolerance.num_fragments": _ge(1),
     "fault_tolerance.fragment_sync_delay": _ge(0),
     "fault_tolerance.fragment_update_alpha": _unit(),
     "fault_tolerance.outer_lr": _gt(0),
@@ -196,8 +197,39 @@ def _check_fault_tolerance(ft: Any) -> None:
             "fault_tolerance.semi_sync_method must be one of "
             f"{', '.join(SEMI_SYNC_METHODS)} (or unset), got {ft.semi_sync_method!r}"
         )
-    if ft.semi_sync_method == "diloco" and ft.fragment_sync_delay >= ft.sync_steps:
+    _check_fragments(ft)
+
+
+def _check_fragments(ft: Any) -> None:
+    """Streaming DiLoCo: the fragment count, and the interval each fragment sync gets."""
+    explicit = len(ft.module_fqns_per_model_fragment)
+    n = explicit or ft.num_fragments
+    if n > 1 and ft.semi_sync_method != "diloco":
+        raise ConfigError(
+            "fault_tolerance.num_fragments / module_fqns_per_model_fragment split the model for "
+            "DiLoCo's synchronisations; set --fault_tolerance.semi_sync_method diloco"
+        )
+    if explicit and ft.num_fragments not in (1, explicit):
+        raise ConfigError(
+            f"fault_tolerance.num_fragments={ft.num_fragments} disagrees with the {explicit} "
+            "fragments of fault_tolerance.module_fqns_per_model_fragment; leave num_fragments "
+            "at 1 or set it to the same count"
+        )
+    if ft.semi_sync_method != "diloco":
+        return
+    if ft.sync_steps % n:
+        raise ConfigError(
+            f"fault_tolerance.sync_steps={ft.sync_steps} must be a multiple of the {n} "
+            "fragments (one fragment synchronises every sync_steps / num_fragments steps)"
+        )
+    if n == 1 and ft.fragment_sync_delay >= ft.sync_steps:
         raise ConfigError(
             f"fault_tolerance.fragment_sync_delay={ft.fragment_sync_delay} must be < "
             f"fault_tolerance.sync_steps={ft.sync_steps}"
+        )
+    if n > 1 and ft.fragment_sync_delay >= ft.sync_steps // n:
+        raise ConfigError(
+            f"fault_tolerance.fragment_sync_delay={ft.fragment_sync_delay} must be < "
+            f"sync_steps / num_fragments = {ft.sync_steps // n} (a fragment's sync must end "
+            "before the next fragment's starts)"
         )

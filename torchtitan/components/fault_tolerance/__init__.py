@@ -204,20 +204,27 @@ class FaultTolerance:
     def figures(self, model_parts: list[nn.Module]) -> dict[str, float]:
         """Logged with each step: the groups in the quorum, and a checksum of the weights
         (float64 sum of every rank's local shards over this group) that must be equal across
-        groups: replicas that drifted apart show it at once."""
+        groups: replicas that drifted apart show it at once. With DiLoCo fragments, one
+        checksum per fragment too (a fragment is equal across groups right after its sync)."""
         import torch.distributed as dist
 
-        total = torch.zeros((), dtype=torch.float64)
+        groups = [[p for part in model_parts for p in part.parameters()]]
+        fragments = self._semi.fragments if self.semi_sync else []
+        if len(fragments) > 1:
+            groups += [list(fragment.parameters()) for fragment in fragments]
+        sums = torch.zeros(len(groups), dtype=torch.float64)
         with torch.no_grad():
-            for part in model_parts:
-                for p in part.parameters():
-                    total += to_local(p).detach().double().sum().cpu()
+            for i, params in enumerate(groups):
+                for p in params:
+                    sums[i] += to_local(p).detach().double().sum().cpu()
         if dist.is_initialized():
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            t = total.to(device)
+            t = sums.to(device)
             dist.all_reduce(t)
-            total = t.cpu()
-        figures = {"ft/param_checksum": float(total)}
+            sums = t.cpu()
+        figures = {"ft/param_checksum": float(sums[0])}
+        for f in range(1, len(groups)):
+            figures[f"ft/fragment_{f - 1}_checksum"] = float(sums[f])
         if not self.semi_sync:
             figures["ft/replica_groups"] = float(self.participants)
         return figures
@@ -244,13 +251,20 @@ class FaultTolerance:
 
     # --- semi-synchronous -----------------------------------------------------------------
     def wrap_optimizer_step(
-        self, model_parts: list[nn.Module], step_fn: Callable[[], Any]
+        self, model_parts: list[nn.Module], step_fn: Callable[[], Any], all_units: list[str],
+        n_layers: int,
     ) -> Callable[[], Any]:
         """LocalSGD / DiLoCo: ``step_fn`` (the optimizer step) wrapped so that every
-        ``sync_steps`` steps the groups synchronise through torchft."""
+        ``sync_steps`` steps the groups synchronise through torchft. ``all_units``: the whole
+        model's units in order (``fragments.model_units``), from which DiLoCo's fragments are
+        cut."""
+        from torchtitan.components.fault_tolerance.fragments import fragment_units
         from torchtitan.components.fault_tolerance.semi_sync import SemiSync
 
-        self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn)
+        units = fragment_units(
+            self.cfg.num_fragments, self.cfg.module_fqns_per_model_fragment, all_units, n_layers
+        )
+        self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn, units)
         return self._semi.step
 
     def semi_sync_state_dict(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ then the groups form a quorum and synchronise:
 * ``local_sgd``: the parameters are averaged over the groups.
 * ``diloco``: the pseudo-gradient (parameters at the last sync minus now) is averaged and the
   outer optimizer (SGD with Nesterov momentum, ``outer_lr`` / ``outer_momentum``) applies it to
-  the parameters of the last sync.
+  the parameters of the last sync. With several fragments (``num_fragments``, see
+  ``fragments``) one fragment does so every ``sync_steps / num_fragments`` steps, in turn.
 
 Both hook the optimizer step: torchft registers them on a ``torch.optim.Optimizer``, so the
 Trainer's step (all optimizers of all model parts, the LR schedules...) runs inside
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan.components.fault_tolerance.fragments import PLACEHOLDER, build_fragments
 from torchtitan.components.fault_tolerance.live_state import to_local
 from torchtitan.config.job_config import FaultTolerance as FTConfig
 from torchtitan.tools.logging import logger
@@ -52,38 +54,48 @@ class SemiSync:
     """The Trainer's optimizer step with LocalSGD or DiLoCo around it."""
 
     def __init__(
-        self, manager: Any, cfg: FTConfig, model_parts: list[nn.Module], step_fn: Callable[[], Any]
+        self, manager: Any, cfg: FTConfig, model_parts: list[nn.Module],
+        step_fn: Callable[[], Any], units_per_fragment: list[list[str]],
     ) -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
-        model = nn.ModuleList(model_parts)  # one fragment: all parts sync together
-        params = [p for p in model.parameters() if p.requires_grad]
-        # torchft names the fragment's parameters "<part index>.<FQN>"; checkpoints use the FQN
+        self.fragments = fragments = build_fragments(model_parts, units_per_fragment)
+        params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+        # (fragment, torchft's name, checkpoint FQN, parameter) of every trained parameter
         self._named = [
-            (name, name.split(".", 1)[1], p)
-            for name, p in model.named_parameters() if p.requires_grad
+            (f, name, name.replace("_orig_mod.", ""), p)  # torch.compile's wrapper
+            for f, fragment in enumerate(fragments)
+            for name, p in fragment.named_parameters()
+            if p.requires_grad and name != PLACEHOLDER
         ]
         self._hooked = _HookedStep(params, step_fn)
         self._cfg = cfg
         self._restored = False
-        self.outer: torch.optim.SGD | None = None
+        self.outers: list[torch.optim.SGD] = []
         if cfg.semi_sync_method == "local_sgd":
+            (model,) = fragments
             self.algorithm = LocalSGD(manager, model, self._hooked, sync_every=cfg.sync_steps)
         else:
             momentum = cfg.outer_momentum
-            self.outer = torch.optim.SGD(
-                params, lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0
-            )
+            self.outers = [
+                torch.optim.SGD(
+                    fragment.parameters(), lr=cfg.outer_lr, momentum=momentum,
+                    nesterov=momentum > 0,
+                )
+                for fragment in fragments
+            ]
             self.algorithm = DiLoCo(
-                manager, [model], self._hooked, self.outer, sync_every=cfg.sync_steps,
+                manager, fragments, self._hooked, self.outers, sync_every=cfg.sync_steps,
                 pin_memory=torch.cuda.is_available(),
                 fragment_sync_delay=cfg.fragment_sync_delay,
                 fragment_update_alpha=cfg.fragment_update_alpha,
             )
         self.algorithm.__enter__()  # registers its optimizer hooks; removed in close()
+        n = len(fragments)
         logger.info(
             f"Fault tolerance: {cfg.semi_sync_method}, groups synchronise every "
             f"{cfg.sync_steps} steps"
+            + (f", one of {n} fragments every {cfg.sync_steps // n} steps" if n > 1 else "")
         )
 
     def step(self) -> Any:
@@ -101,43 +113,50 @@ class SemiSync:
         """The position in the sync interval; DiLoCo: the last sync's parameters and the
         outer momentum (zeros before the first sync: the same first outer step)."""
         state: dict[str, Any] = {LOCAL_STEP: torch.tensor(self.algorithm._local_step)}
-        if self.outer is None:
+        if not self.outers:
             return state
-        original = self.algorithm._fragments[0].original_parameters
-        state[ORIGINAL] = {fqn: _like(p, original[name]) for name, fqn, p in self._named}
+        fragments = self.algorithm._fragments
+        state[ORIGINAL] = {
+            fqn: _like(p, fragments[f].original_parameters[name])
+            for f, name, fqn, p in self._named
+        }
         momentum = {}
-        for _, fqn, p in self._named:
-            buf = self.outer.state.get(p, {}).get("momentum_buffer")
+        for f, _, fqn, p in self._named:
+            buf = self.outers[f].state.get(p, {}).get("momentum_buffer")
             momentum[fqn] = buf if buf is not None else torch.zeros_like(p.detach())
         state[OUTER_MOMENTUM] = momentum
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         local_step = int(state[LOCAL_STEP])
+        # torchft's counter runs to sync_steps / num_fragments (one fragment sync each time)
+        interval = getattr(self.algorithm, "_sync_every", self._cfg.sync_steps)
         delay = self._cfg.fragment_sync_delay
-        if delay and local_step >= self._cfg.sync_steps - delay:
-            # saved while a sync's all-reduce was in flight, which a checkpoint cannot hold:
-            # every group (a full restart loads the same checkpoint) restarts the interval
+        if local_step >= interval or (delay and local_step >= interval - delay):
+            # saved while a sync's all-reduce was in flight, which a checkpoint cannot hold,
+            # or with a longer interval: every group (a full restart loads the same
+            # checkpoint) restarts the interval
             logger.warning(
-                f"Fault tolerance: the checkpoint was saved {local_step} steps into a "
-                f"{self._cfg.sync_steps}-step interval, during a delayed DiLoCo sync; the "
-                "interval starts again from the last sync's parameters"
+                f"Fault tolerance: the checkpoint was saved {local_step} steps into a sync "
+                f"interval, which cannot continue in a {interval}-step interval with "
+                f"fragment_sync_delay={delay}; the interval starts again from the last sync's "
+                "parameters"
             )
             local_step = 0
         self.algorithm._local_step = local_step
-        if self.outer is not None:
-            original = self.algorithm._fragments[0].original_parameters
+        if self.outers:
+            fragments = self.algorithm._fragments
             with torch.no_grad():
-                for name, fqn, p in self._named:
-                    original[name].copy_(to_local(state[ORIGINAL][fqn]))
-                    self.outer.state[p]["momentum_buffer"] = state[OUTER_MOMENTUM][fqn]
+                for f, name, fqn, p in self._named:
+                    fragments[f].original_parameters[name].copy_(to_local(state[ORIGINAL][fqn]))
+                    self.outers[f].state[p]["momentum_buffer"] = state[OUTER_MOMENTUM][fqn]
         self._restored = True
 
     def after_checkpoint_load(self) -> None:
         """Weights loaded without semi-sync state start a new interval (DiLoCo measures the
         next pseudo-gradient from them, not from the weights before the load)."""
-        if self.outer is not None and not self._restored:
-            self.algorithm._fragments[0].save_parameters()
+        if self.outers and not self._restored:
+            self.algorithm._save_parameters()
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

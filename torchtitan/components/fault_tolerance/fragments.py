@@ -1,0 +1,132 @@
+"""Streaming DiLoCo's model fragments: which modules synchronise together.
+
+With ``fault_tolerance.num_fragments`` = N (or ``module_fqns_per_model_fragment``), DiLoCo
+synchronises one fragment every ``sync_steps / N`` steps, in turn, so each fragment still syncs
+every ``sync_steps`` steps while the cross-group traffic is spread out (torchft's streaming
+DiLoCo). The units that make up fragments are those of pipeline splitting: the embedding, each
+transformer block, the norm and the output.
+
+A fragment is a module that holds its units under their model names, so its parameter names
+are the model's FQNs (checkpoints and torchft's live state use them). On a pipeline stage that
+holds none of a fragment's units the fragment is a single zero placeholder: torchft needs a
+tensor to all-reduce at each fragment sync, and every rank takes part in every sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from torchtitan.distributed.pipeline.planning import generate_fqns_per_stage, units_of
+
+__all__ = ["PLACEHOLDER", "build_fragments", "fragment_units", "model_units"]
+
+PLACEHOLDER = "empty_fragment_placeholder"
+_KEY = "fault_tolerance.module_fqns_per_model_fragment"
+
+
+def model_units(
+    model_parts: Sequence[nn.Module], fqns_per_stage: Sequence[Sequence[str]] | None, n_layers: int
+) -> list[str]:
+    """Every unit of the whole model in order: this rank's parts' units, or with pipeline
+    parallelism the units of all stages (``fqns_per_stage``; a whole ``layers`` entry counts
+    as its ``n_layers`` blocks)."""
+    if fqns_per_stage is None:
+        return [u for part in model_parts for u in units_of(part)]
+    return [
+        u for stage in fqns_per_stage for name in stage
+        for u in ([f"{name}.{i}" for i in range(n_layers)] if name == "layers" else [name])
+    ]
+
+
+def fragment_units(
+    num_fragments: int, fqns_per_fragment: Sequence[Sequence[str]], all_units: Sequence[str],
+    n_layers: int,
+) -> list[list[str]]:
+    """The units of each fragment: ``fqns_per_fragment`` checked against the model (every unit
+    in exactly one fragment), or ``num_fragments`` even slices of the layers, the embedding
+    with the first and the norm and output with the last. Raises ValueError."""
+    if not fqns_per_fragment:
+        if num_fragments == 1:
+            return [list(all_units)]
+        if num_fragments > n_layers + 2:
+            raise ValueError(
+                f"fault_tolerance.num_fragments={num_fragments} is more than the model's "
+                f"{n_layers} layers + embedding + output; use at most {n_layers + 2}"
+            )
+        fqns_per_fragment = generate_fqns_per_stage(num_fragments, n_layers)
+    known = set(all_units)
+    containers = {u.split(".", 1)[0] for u in all_units if "." in u}
+    owner: dict[str, int] = {}
+    out: list[list[str]] = []
+    for f, names in enumerate(fqns_per_fragment):
+        if not names:
+            raise ValueError(f"{_KEY}: fragment {f} is empty; give every fragment a module")
+        units: list[str] = []
+        for name in names:
+            if name in containers:  # a whole ModuleDict, e.g. "layers"
+                units.extend(u for u in all_units if u.startswith(f"{name}."))
+            elif name in known:
+                units.append(name)
+            else:
+                raise ValueError(
+                    f"{_KEY}: fragment {f} names {name!r}, which is not a module of the model; "
+                    f"use names like {', '.join(all_units[:2])}, ..., {all_units[-1]}"
+                )
+        for unit in units:
+            if unit in owner:
+                raise ValueError(
+                    f"{_KEY}: {unit!r} is in both fragment {owner[unit]} and fragment {f}; "
+                    "list it once"
+                )
+            owner[unit] = f
+        out.append(units)
+    missing = [u for u in all_units if u not in owner]
+    if missing:
+        raise ValueError(
+            f"{_KEY}: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} "
+            "in no fragment; every module must belong to one"
+        )
+    return out
+
+
+def build_fragments(
+    model_parts: Sequence[nn.Module], units_per_fragment: Sequence[Sequence[str]]
+) -> list[nn.Module]:
+    """One module per fragment holding this rank's units of it by their model names (a zero
+    placeholder parameter where it holds none). Raises ValueError when two fragments share a
+    parameter (tied weights)."""
+    local = {unit: part.get_submodule(unit) for part in model_parts for unit in units_of(part)}
+    fragments = []
+    for units in units_per_fragment:
+        root = nn.Module()
+        for unit in units:
+            if unit in local:
+                _add(root, unit, local[unit])
+        if not any(True for _ in root.parameters()):
+            device = next(p.device for part in model_parts for p in part.parameters())
+            root.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(1, device=device)))
+        fragments.append(root)
+    seen: dict[int, tuple[int, str]] = {}
+    for f, fragment in enumerate(fragments):
+        for name, p in fragment.named_parameters():
+            if id(p) in seen:
+                other, other_name = seen[id(p)]
+                raise ValueError(
+                    f"{_KEY}: {other_name} (fragment {other}) and {name} (fragment {f}) are one "
+                    "tied weight; put both modules in the same fragment"
+                )
+            seen[id(p)] = (f, name)
+    return fragments
+
+
+def _add(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    *path, leaf = fqn.split(".")
+    parent = root
+    for name in path:
+        if name not in parent._modules:
+            parent.add_module(name, nn.Module())
+        parent = parent._modules[name]
+    parent.add_module(leaf, module)
