@@ -135,6 +135,9 @@ def _check_components(cfg: JobConfig, device_type: str) -> None:
     from torchtitan.components.converters import check_converters
 
     check_converters(cfg, device_type)  # float8 / mx: hardware or emulation
+    from torchtitan.distributed.activation_checkpoint import check_memory_budget_plots
+
+    check_memory_budget_plots(cfg.activation_checkpoint)
 
 
 def _check_files(cfg: JobConfig) -> None:

@@ -58,26 +58,28 @@ def test_defaults_use_no_planned_feature():
 
 
 def test_one_clear_line_naming_key_value_and_feature():
-    cfg = parse("--activation_checkpoint.memory_budget", "0.3")
+    cfg = parse("--optimizer.early_step_in_backward")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     assert str(info.value) == (
-        "activation_checkpoint.memory_budget=0.3 is planned but not implemented yet (the "
-        "memory_budget activation checkpointing mode); remove it or leave the default"
+        "optimizer.early_step_in_backward=True is planned but not implemented yet (optimizer "
+        "steps in backward); remove it or leave the default"
     )
 
 
-def test_several_planned_settings_are_named_in_the_same_line():
-    cfg = parse("--activation_checkpoint.visualize_memory_budget_pareto",
-                "--optimizer.early_step_in_backward")
+def test_several_planned_settings_are_named_in_the_same_line(monkeypatch):
+    from torchtitan.config import planned
+
+    monkeypatch.setitem(planned.PLANNED_FIELDS, "training.gc_debug", "a second planned area")
+    cfg = parse("--optimizer.early_step_in_backward", "--training.gc_debug")
     with pytest.raises(ConfigError) as info:
         reject_planned_settings(cfg)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
-        "activation_checkpoint.visualize_memory_budget_pareto=True is planned but not implemented"
+        "optimizer.early_step_in_backward=True is planned but not implemented"
     )
-    assert message.endswith("(also planned: optimizer.early_step_in_backward=True)")
+    assert message.endswith("(also planned: training.gc_debug=True)")
 
 
 @pytest.mark.parametrize("key", sorted(PLANNED_FIELDS))
@@ -100,7 +102,7 @@ def test_planned_keys_at_their_default_are_accepted(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(
         '[float8]\nenable_fsdp_float8_all_gather = false\nfilter_fqns = ["output"]\n'
-        "[activation_checkpoint]\nmemory_budget = 0.5\n"
+        "[optimizer]\nearly_step_in_backward = false\n"
     )
     cfg = parse_args_or_exit(["--job.config_file", str(path)])
     assert cfg.float8.filter_fqns == ["output"]
@@ -122,16 +124,13 @@ def test_2024_era_tomls_pass_the_trainer_entry(path):
 def test_config_tool_refuses_a_config_with_planned_settings(capsys, tmp_path):
     """The tool checks like the trainer: a config the trainer refuses is not printed."""
     path = tmp_path / "planned.toml"
-    path.write_text(
-        "[activation_checkpoint]\nvisualize_memory_budget_pareto = true\nmemory_budget = 0.2\n"
-    )
+    path.write_text("[optimizer]\nearly_step_in_backward = true\n")
     code = main(["--job.config_file", str(path)])
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
     assert out.err.splitlines() == [
-        "error: activation_checkpoint.memory_budget=0.2 is planned but not implemented yet "
-        "(the memory_budget activation checkpointing mode); remove it or leave the default "
-        "(also planned: activation_checkpoint.visualize_memory_budget_pareto=True)"
+        "error: optimizer.early_step_in_backward=True is planned but not implemented yet "
+        "(optimizer steps in backward); remove it or leave the default"
     ]
 
 
@@ -145,7 +144,6 @@ def test_trainer_entry_accepts_the_405b_config_now_that_float8_is_built():
     ("argv", "needle"),
     [
         (["--optimizer.early_step_in_backward"], "optimizer.early_step_in_backward=True is"),
-        (["--activation_checkpoint.memory_budget", "0.3"], "memory_budget=0.3 is planned"),
     ],
 )
 def test_train_command_refuses_planned_settings(argv, needle):

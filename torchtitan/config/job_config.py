@@ -338,8 +338,9 @@ class Checkpoint:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "selective"
-    """Activation checkpointing: none, full (every block) or selective."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "selective"
+    """Activation checkpointing: none, full (every block), selective, or memory_budget
+    (torch.compile's partitioner recomputes what memory_budget asks; needs compile.enable)."""
 
     selective_ac_option: str = "2"
     """Selective AC: an integer N checkpoints every Nth block; 'op' uses the op-level save list."""
@@ -353,10 +354,12 @@ class ActivationCheckpoint:
     """Stop recomputation early once the needed activations are rebuilt."""
 
     memory_budget: float = 0.5
-    """Memory budget for the compile-time 'memory_budget' AC mode (0..1)."""
+    """memory_budget mode: activation memory the compiled blocks may keep, from 0.0 (recompute
+    like full AC) to 1.0 (keep what compile keeps by default, the fastest)."""
 
     visualize_memory_budget_pareto: bool = False
-    """Dump the memory-budget Pareto frontier (memory_budget mode)."""
+    """memory_budget mode: write each compiled graph's recompute-runtime vs memory curve as SVG
+    to {job.dump_folder}/memory_budget_pareto (needs matplotlib)."""
 
     preserve_rng_state: bool = False
     """Stash and restore RNG state around recomputation (bitwise-identical dropout etc.)."""

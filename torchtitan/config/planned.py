@@ -31,10 +31,6 @@ __all__ = [
 
 PLANNED_FIELDS: dict[str, str] = {
     # activation checkpointing
-    "activation_checkpoint.memory_budget": "the memory_budget activation checkpointing mode",
-    "activation_checkpoint.visualize_memory_budget_pareto": (
-        "the memory_budget activation checkpointing mode"
-    ),
     # optimizer
     "optimizer.early_step_in_backward": "optimizer steps in backward",
 }

@@ -136,6 +136,18 @@ def validate(cfg: Any) -> None:
             "activation_checkpoint.debug records the ops of eager blocks; compiled blocks run "
             "none of them one by one: turn compile off (--compile.no_enable) to debug AC"
         )
+    if ac.mode == "memory_budget":
+        if not (cfg.compile.enable and "model" in cfg.compile.components):
+            raise ConfigError(
+                "activation_checkpoint.mode='memory_budget' is carried out by torch.compile's "
+                "partitioner: add --compile.enable (with 'model' in compile.components)"
+            )
+        if cfg.compile.backend == "eager":
+            raise ConfigError(
+                "activation_checkpoint.mode='memory_budget' needs a compile.backend that "
+                "partitions the forward and backward graphs (inductor, aot_eager); 'eager' "
+                "does not"
+            )
     _check_dataset_specs(cfg)
     _check_fault_tolerance(cfg.fault_tolerance)
     dl = cfg.training.dataloader

@@ -67,9 +67,10 @@ def sac_ignore_profiler_ranges() -> None:
 
 
 def _validate(cfg: ActivationCheckpoint) -> None:
-    if cfg.mode not in ("none", "full", "selective"):
+    if cfg.mode not in ("none", "full", "selective", "memory_budget"):
         raise ValueError(
-            f"activation_checkpoint.mode={cfg.mode!r} is invalid; use 'none', 'full' or 'selective'"
+            f"activation_checkpoint.mode={cfg.mode!r} is invalid; use 'none', 'full', "
+            "'selective' or 'memory_budget'"
         )
     if cfg.determinism_check not in ("default", "none"):
         raise ValueError(
@@ -248,7 +249,15 @@ def apply_ac(
     are replaced in place (keys unchanged). Apply after TP and before compile / FSDP.
     """
     _validate(ac_cfg)
-    if ac_cfg.mode == "none":
+    defaults = ActivationCheckpoint()
+    if ac_cfg.mode != "memory_budget" and (
+        ac_cfg.memory_budget != defaults.memory_budget or ac_cfg.visualize_memory_budget_pareto
+    ):
+        logger.warning(
+            "activation_checkpoint.memory_budget / visualize_memory_budget_pareto only act with "
+            f"activation_checkpoint.mode='memory_budget'; mode is {ac_cfg.mode!r}"
+        )
+    if ac_cfg.mode in ("none", "memory_budget"):  # memory_budget: see apply_memory_budget
         return model
     layers: nn.ModuleDict = model.layers
     every_n = selective_every_n(ac_cfg.selective_ac_option) if ac_cfg.mode == "selective" else 1
@@ -282,3 +291,42 @@ def apply_ac(
     detail = ac_cfg.mode if ac_cfg.mode == "full" else f"selective {ac_cfg.selective_ac_option}"
     logger.info(f"Applied {detail} activation checkpointing to {wrapped} of {len(layers)} blocks")
     return model
+
+
+def check_memory_budget_plots(cfg: ActivationCheckpoint) -> None:
+    """``visualize_memory_budget_pareto`` draws with matplotlib: ValueError when it is missing."""
+    import importlib.util
+
+    if (
+        cfg.mode == "memory_budget"
+        and cfg.visualize_memory_budget_pareto
+        and importlib.util.find_spec("matplotlib") is None
+    ):
+        raise ValueError(
+            "activation_checkpoint.visualize_memory_budget_pareto draws with matplotlib, which "
+            "is not installed: pip install matplotlib, or drop the flag"
+        )
+
+
+def apply_memory_budget(cfg: ActivationCheckpoint, dump_folder: str) -> None:
+    """``memory_budget`` mode: torch.compile's min-cut partitioner keeps activations between
+    the least it can (``memory_budget`` 0, full recompute) and its default, fastest choice (1),
+    recomputing the ops that are cheapest for the memory they free. Compiled blocks (compile.enable,
+    checked by the config) are partitioned when they first run, under this process-wide
+    setting. With ``visualize_memory_budget_pareto`` each graph's runtime-vs-memory curve is
+    written as SVG under ``{dump_folder}/memory_budget_pareto``."""
+    if cfg.mode != "memory_budget":
+        return
+    check_memory_budget_plots(cfg)
+    import os
+
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = cfg.memory_budget
+    if cfg.visualize_memory_budget_pareto:
+        functorch_config.visualize_memory_budget_pareto = True
+        functorch_config.memory_budget_pareto_dir = os.path.join(dump_folder, "memory_budget_pareto")
+    logger.info(
+        f"Activation memory budget {cfg.memory_budget}: torch.compile's partitioner chooses "
+        "what the compiled blocks recompute"
+    )

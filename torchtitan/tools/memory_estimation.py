@@ -171,6 +171,13 @@ def estimate_memory(
         fake = not cfg.memory_estimation.disable_fake_mode
     if cfg.compile.enable:
         logger.warning("memory estimation runs without torch.compile (compile.enable ignored)")
+    if cfg.activation_checkpoint.mode == "memory_budget":
+        logger.warning(
+            "memory estimation counts activation_checkpoint.mode='memory_budget' as no AC: "
+            "the budget acts inside torch.compile, which the estimate does not run (an upper "
+            "bound)"
+        )
+        cfg.activation_checkpoint.mode = "none"
     # An estimate writes nothing and measures the training step only.
     cfg.compile.enable = cfg.checkpoint.enable = cfg.validation.enable = False
     cfg.metrics.enable_tensorboard = cfg.metrics.enable_wandb = False

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchtitan.components.float8 import float8_tensorwise_tp
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.activation_checkpoint import apply_ac, apply_memory_budget
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
 from torchtitan.distributed.expert_parallel import apply_expert_parallel
 from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
@@ -55,6 +55,7 @@ def parallelize_llama(
         apply_expert_parallel(model, parallel_dims)
 
     apply_ac(model, job_config.activation_checkpoint)
+    apply_memory_budget(job_config.activation_checkpoint, job_config.job.dump_folder)
 
     if compile_model:
         apply_compile(model, job_config.compile)
