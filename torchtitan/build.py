@@ -24,7 +24,11 @@ from torchtitan.components.converters import (
 )
 from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
-from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer_in_backward import (
+    build_optimizers_in_backward,
+    check_early_step,
+)
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
@@ -276,7 +280,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     f"debug.moe_force_load_balance has no effect: {cfg.model.name} "
                     f"{cfg.model.flavor} has no MoE layers"
                 )
-            optimizers = build_optimizers(model_parts, cfg.optimizer)
+            check_early_step(cfg, parallel_dims)
+            optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer)
             lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
 
     return RunParts(

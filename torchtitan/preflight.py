@@ -196,6 +196,9 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
             cfg, data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)[0]
         )
         _check_model(cfg, parallel_dims)
+        from torchtitan.components.optimizer_in_backward import check_early_step
+
+        check_early_step(cfg, parallel_dims)
         if on_this_machine:
             if device_type is None:
                 from torchtitan.tools.device import device_type as detected

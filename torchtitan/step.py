@@ -113,16 +113,20 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
     loss_scale = n_loss_ranks / max(global_tokens, 1.0)
     with run.comm_mode.step():
         local_loss = torch.zeros((), device=run.device)
-        for inputs, labels in microbatches:
+        for i, (inputs, labels) in enumerate(microbatches):
+            run.optimizers.before_backward(final=i == len(microbatches) - 1)
             local_loss += forward_backward(run, inputs, labels, loss_scale)
         for hook in run.after_backward:
             hook()
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in run.model_parts for p in m.parameters()],
-            run.job_config.training.max_norm,
-            foreach=True,
-            pp_mesh=run.parallel_dims.get_mesh("pp"),
-        )
+        if run.optimizers.steps_in_backward:  # stepped already: the norms its hooks took
+            grad_norm = dist_utils.total_norm(run.optimizers.take_grad_norms())
+        else:
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in run.model_parts for p in m.parameters()],
+                run.job_config.training.max_norm,
+                foreach=True,
+                pp_mesh=run.parallel_dims.get_mesh("pp"),
+            )
     loss = dist_utils.dist_reduce(local_loss / n_loss_ranks, "sum", loss_mesh)
     if run.pipeline is not None:  # only last-stage ranks hold it; the others add 0
         loss = dist_utils.dist_reduce(loss, "sum", run.pipeline.pp_mesh)

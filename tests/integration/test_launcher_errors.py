@@ -77,7 +77,9 @@ PREFLIGHT_CASES = {
     ),
     "global-batch": (["--training.global_batch_size", "24"], "global_batch_size=24"),
     "unknown-flavor": (["--model.flavor", "9B"], "model.flavor '9B' is not a flavor"),
-    "planned-feature": (["--optimizer.early_step_in_backward"], "early_step_in_backward=True is planned"),
+    "early-step-with-clipping": (
+        ["--optimizer.early_step_in_backward"], "set --training.max_norm 0"
+    ),
     "missing-tokenizer": (
         ["--model.hf_assets_path", "./assets/hf/Llama-3.1-8B"],
         "hf download meta-llama/Llama-3.1-8B",

@@ -162,8 +162,10 @@ def test_planned_entries_are_still_unread(files):
 
 
 def test_a_stale_planned_entry_is_caught(files):
-    reader = {"torchtitan/opt.py": scan_source("def f(cfg):\n    return cfg.optimizer.early_step_in_backward\n")}
-    assert stale_planned(PLANNED_FIELDS, {**files, **reader}) == ["optimizer.early_step_in_backward"]
+    planned = {**PLANNED_FIELDS, "job.description": "a feature that got built"}
+    reader = {"torchtitan/job.py": scan_source("def f(cfg):\n    return cfg.job.description\n")}
+    assert stale_planned(planned, files) == []
+    assert stale_planned(planned, {**files, **reader}) == ["job.description"]
 
 
 def test_an_added_unread_field_is_caught(files):

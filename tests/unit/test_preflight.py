@@ -37,7 +37,14 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
     ("flags", "needle"),
     [
         (["--activation_checkpoint.determinism_check", "strict"], "expected one of 'default'"),
-        (["--optimizer.early_step_in_backward"], "early_step_in_backward=True is planned"),
+        (["--optimizer.early_step_in_backward"], "early_step_in_backward does not work here: "
+         "training.max_norm=1.0 clips by the global grad norm"),
+        (["--optimizer.early_step_in_backward", "--training.max_norm", "0",
+          "--parallelism.data_parallel_replicate_degree", "2", "--world_size", "2"],
+         "DDP all-reduces gradients in buckets after the hooks fire; use FSDP or HSDP"),
+        (["--optimizer.early_step_in_backward", "--training.max_norm", "0",
+          "--parallelism.pipeline_parallel_degree", "2", "--world_size", "2"],
+         "pipeline parallel runs backward per pipeline microbatch inside its schedule"),
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],

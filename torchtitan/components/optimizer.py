@@ -43,10 +43,7 @@ class OptimizersContainer(Stateful):
     """
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig) -> None:
-        if cfg.name not in _OPTIMIZERS:
-            raise ValueError(
-                f"optimizer.name={cfg.name!r} is not supported; choose one of {sorted(_OPTIMIZERS)}"
-            )
+        _check_name(cfg)
         self.model_parts = model_parts
         cls = _OPTIMIZERS[cfg.name]
         kwargs = optimizer_kwargs(cfg)
@@ -54,6 +51,12 @@ class OptimizersContainer(Stateful):
         for part in model_parts:
             params = [p for p in part.parameters() if p.requires_grad]
             self.optimizers.append(_construct(cls, params, kwargs))
+
+    steps_in_backward = False
+    """True when the parameters step during backward (``optimizer_in_backward``)."""
+
+    def before_backward(self, final: bool) -> None:
+        """Called before each microbatch's backward (``final``: the step's last)."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -95,5 +98,13 @@ def _construct(cls: type, params: list, kwargs: dict[str, Any]) -> torch.optim.O
 
 
 def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
-    """Build the optimizers for ``model_parts`` from the ``[optimizer]`` section."""
+    """Build the optimizers for ``model_parts`` from the ``[optimizer]`` section (with
+    ``early_step_in_backward``: ``optimizer_in_backward.build_optimizers_in_backward``)."""
     return OptimizersContainer(model_parts, cfg)
+
+
+def _check_name(cfg: OptimizerConfig) -> None:
+    if cfg.name not in _OPTIMIZERS:
+        raise ValueError(
+            f"optimizer.name={cfg.name!r} is not supported; choose one of {sorted(_OPTIMIZERS)}"
+        )

@@ -9,9 +9,9 @@ silently ignored:
   :func:`reject_planned_settings`. Whoever implements a feature deletes its entries here.
 * :data:`METADATA_FIELDS` describe the config itself; no training code acts on them by design.
 
-Not listed here because the trainer already refuses them with its own message when they are
-set: ``parallelism.expert_parallel_degree`` and ``parallelism.expert_tensor_parallel_degree``
-(``torchtitan/build.py``).
+Empty today: every feature behind an upstream key is built. Some settings are refused in
+some layouts with their own message instead (``parallelism.expert_tensor_parallel_degree`` > 1,
+``optimizer.early_step_in_backward`` with clipping or pipeline parallel...).
 """
 
 from __future__ import annotations
@@ -29,11 +29,7 @@ __all__ = [
     "reject_planned_settings",
 ]
 
-PLANNED_FIELDS: dict[str, str] = {
-    # activation checkpointing
-    # optimizer
-    "optimizer.early_step_in_backward": "optimizer steps in backward",
-}
+PLANNED_FIELDS: dict[str, str] = {}
 """Field -> the feature area it belongs to. Delete an entry when its feature is implemented."""
 
 METADATA_FIELDS: dict[str, str] = {

@@ -195,27 +195,18 @@ def _per_simulated_rank(value: object) -> object:
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter],
-    max_norm: float,
+def total_norm(
+    tensors_by_mesh: dict[object, list[torch.Tensor]],
     norm_type: float = 2.0,
     foreach: bool | None = None,
     pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
-    """Total gradient norm across every mesh the gradients live on; clips when max_norm > 0.
-
-    Gradients may be DTensors on different meshes (FSDP, TP, FSDP x TP) or plain tensors; the
-    norm of each group is reduced over its mesh, and over ``pp_mesh`` when stages hold
-    different parameters. Returns the pre-clip norm (a plain tensor).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    """The ``norm_type`` norm of all ``tensors_by_mesh`` together (gradients, or norms of
+    gradients: the norm of norms is the same), each list reduced over its device mesh (key;
+    None for plain tensors) and the total over ``pp_mesh``. A plain float32 scalar tensor."""
     norms = []
-    for grads_in_group in groups.values():
-        n = torch.nn.utils.get_total_norm(grads_in_group, norm_type, False, foreach)
+    for tensors in tensors_by_mesh.values():
+        n = torch.nn.utils.get_total_norm(tensors, norm_type, False, foreach)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         norms.append(n.float())
@@ -232,6 +223,28 @@ def clip_grad_norm_(
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Total gradient norm across every mesh the gradients live on; clips when max_norm > 0.
+
+    Gradients may be DTensors on different meshes (FSDP, TP, FSDP x TP) or plain tensors; the
+    norm of each group is reduced over its mesh, and over ``pp_mesh`` when stages hold
+    different parameters. Returns the pre-clip norm (a plain tensor).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+    total = total_norm(groups, norm_type, foreach, pp_mesh)
     if max_norm > 0 and params:
         # One call per mesh: foreach kernels cannot mix DTensors of different meshes and plain
         # tensors (e.g. TP-sharded attention next to MoE layers that TP leaves whole).
