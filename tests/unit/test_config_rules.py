@@ -42,10 +42,10 @@ def test_validation_module_refuses_to_load_with_a_bogus_rule():
 
 
 def test_planned_module_refuses_to_load_with_a_bogus_field():
-    anchor = "PLANNED_FIELDS: dict[str, str] = {\n"
+    anchor = "PLANNED_FIELDS: dict[str, str] = {"
     _exec_with(planned, anchor, "")
     with pytest.raises(RuntimeError, match=r"'float8\.recipe'"):
-        _exec_with(planned, anchor, '    "float8.recipe": "float8 training",\n')
+        _exec_with(planned, anchor, '"float8.recipe": "float8 training"')
 
 
 def test_validate_does_not_skip_a_rule_it_cannot_apply(monkeypatch):
