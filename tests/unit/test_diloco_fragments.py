@@ -52,8 +52,8 @@ def test_explicit_fragments_expand_layers_and_are_checked():
         ([["tok_embeddings", "layers.0"], ["layers", "norm", "output"]],
          f"{key}: 'layers.0' is in both fragment 0 and fragment 1; list it once"),
         ([["tok_embeddings", "layers"], ["norm"]], f"{key}: 'output' is in no fragment; every "
-         "module must belong to one"),
-        ([[], UNITS4], f"{key}: fragment 0 is empty; give every fragment a module"),
+         "module must belong to one fragment"),
+        ([[], UNITS4], f"{key}: fragment 0 is empty; give every fragment at least one module"),
     ]
     for fragments, message in bad:
         with pytest.raises(ValueError) as info:

@@ -122,14 +122,14 @@ def test_split_rejects_module_list():
     [
         (
             [["tok_embeddings", "layers.0", "layers.1"], ["layers.3", "norm", "output"]],
-            r"'layers.2' is in no part",
+            r"'layers.2' is in no model part",
         ),
         (
             [
                 ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
                 ["layers.2", "layers.3", "norm", "output"],
             ],
-            r"'layers.2' is in both part 0 and part 1",
+            r"'layers.2' is in both model part 0 and model part 1",
         ),
         (
             [

@@ -19,7 +19,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from torchtitan.distributed.pipeline.planning import generate_fqns_per_stage, units_of
+from torchtitan.distributed.pipeline.planning import (
+    generate_fqns_per_stage,
+    group_units,
+    units_of,
+)
 
 __all__ = ["PLACEHOLDER", "build_fragments", "fragment_units", "model_units"]
 
@@ -57,39 +61,7 @@ def fragment_units(
                 f"{n_layers} layers + embedding + output; use at most {n_layers + 2}"
             )
         fqns_per_fragment = generate_fqns_per_stage(num_fragments, n_layers)
-    known = set(all_units)
-    containers = {u.split(".", 1)[0] for u in all_units if "." in u}
-    owner: dict[str, int] = {}
-    out: list[list[str]] = []
-    for f, names in enumerate(fqns_per_fragment):
-        if not names:
-            raise ValueError(f"{_KEY}: fragment {f} is empty; give every fragment a module")
-        units: list[str] = []
-        for name in names:
-            if name in containers:  # a whole ModuleDict, e.g. "layers"
-                units.extend(u for u in all_units if u.startswith(f"{name}."))
-            elif name in known:
-                units.append(name)
-            else:
-                raise ValueError(
-                    f"{_KEY}: fragment {f} names {name!r}, which is not a module of the model; "
-                    f"use names like {', '.join(all_units[:2])}, ..., {all_units[-1]}"
-                )
-        for unit in units:
-            if unit in owner:
-                raise ValueError(
-                    f"{_KEY}: {unit!r} is in both fragment {owner[unit]} and fragment {f}; "
-                    "list it once"
-                )
-            owner[unit] = f
-        out.append(units)
-    missing = [u for u in all_units if u not in owner]
-    if missing:
-        raise ValueError(
-            f"{_KEY}: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} "
-            "in no fragment; every module must belong to one"
-        )
-    return out
+    return group_units(all_units, fqns_per_fragment, _KEY, "fragment")
 
 
 def build_fragments(

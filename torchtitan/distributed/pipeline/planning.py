@@ -189,6 +189,47 @@ def units_of(model: nn.Module) -> list[str]:
     return units
 
 
+def group_units(
+    units: Sequence[str], groups: Sequence[Sequence[str]], key: str, noun: str
+) -> list[list[str]]:
+    """``groups`` of module names (a whole ModuleDict like ``layers`` stands for its entries)
+    as lists of ``units``, each unit in exactly one group. Raises ValueError naming ``key``
+    and the ``noun`` of a group: an empty group, an unknown name, a unit twice or in none."""
+    order = {u: i for i, u in enumerate(units)}
+    containers = {u.split(".", 1)[0] for u in units if "." in u}
+    owner: dict[str, int] = {}
+    out: list[list[str]] = []
+    for g, names in enumerate(groups):
+        if not names:
+            raise ValueError(f"{key}: {noun} {g} is empty; give every {noun} at least one module")
+        expanded: list[str] = []
+        for name in names:
+            if name in containers:
+                expanded.extend(u for u in units if u.startswith(f"{name}."))
+            elif name in order:
+                expanded.append(name)
+            else:
+                raise ValueError(
+                    f"{key}: {noun} {g} names {name!r}, which is not a module of the model; use "
+                    f"names like {', '.join(units[:2])}, ..., {units[-1]}"
+                )
+        for unit in expanded:
+            if unit in owner:
+                raise ValueError(
+                    f"{key}: {unit!r} is in both {noun} {owner[unit]} and {noun} {g}; list it "
+                    "once"
+                )
+            owner[unit] = g
+        out.append(expanded)
+    missing = [u for u in units if u not in owner]
+    if missing:
+        raise ValueError(
+            f"{key}: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} in "
+            f"no {noun}; every module must belong to one {noun}"
+        )
+    return out
+
+
 def validate_fqns_per_stage(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> None:
     """Every unit of ``model`` is in exactly one stage, names exist, and stages follow model order.
 
@@ -197,42 +238,15 @@ def validate_fqns_per_stage(model: nn.Module, fqns_per_stage: Sequence[Sequence[
     key = "parallelism.module_fqns_per_model_part"
     units = units_of(model)
     order = {u: i for i, u in enumerate(units)}
-    containers = {n for n, c in model.named_children() if isinstance(c, nn.ModuleDict)}
-    owner: dict[str, int] = {}
     last_pos = -1
-    for s, names in enumerate(fqns_per_stage):
-        if not names:
-            raise ValueError(f"{key}: model part {s} is empty; give every part at least one module")
-        expanded: list[str] = []
-        for name in names:
-            if name in containers:  # a whole ModuleDict, e.g. "layers"
-                expanded.extend(u for u in units if u.startswith(f"{name}."))
-            elif name in order:
-                expanded.append(name)
-            else:
-                raise ValueError(
-                    f"{key}: part {s} names {name!r}, which is not a module of the model; use "
-                    f"names like {', '.join(units[:2])}, ..., {units[-1]}"
-                )
-        for unit in expanded:
-            if unit in owner:
-                raise ValueError(
-                    f"{key}: {unit!r} is in both part {owner[unit]} and part {s}; list it once"
-                )
-            owner[unit] = s
+    for s, expanded in enumerate(group_units(units, fqns_per_stage, key, "model part")):
         positions = sorted(order[u] for u in expanded)
-        if positions and positions[0] < last_pos:
+        if positions[0] < last_pos:
             raise ValueError(
-                f"{key}: part {s} holds {units[positions[0]]!r}, which comes before modules of "
-                "an earlier part; list the parts in model order"
+                f"{key}: model part {s} holds {units[positions[0]]!r}, which comes before "
+                "modules of an earlier part; list the parts in model order"
             )
-        last_pos = max(last_pos, positions[-1] if positions else last_pos)
-    missing = [u for u in units if u not in owner]
-    if missing:
-        raise ValueError(
-            f"{key}: {', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} in no part; "
-            "every module must belong to one pipeline stage"
-        )
+        last_pos = max(last_pos, positions[-1])
 
 
 def split_model_part(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
