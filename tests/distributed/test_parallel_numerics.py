@@ -53,6 +53,28 @@ LAYOUTS_2 = [
     Layout("tp", tp=2),
     Layout("tp_no_loss_parallel", tp=2, overrides={"parallelism.disable_loss_parallel": True}),
     Layout("tp_tied_embeddings", tp=2, tied=True),
+    # TP + compiled blocks: the embedding's in-flight reduce-scatter output is waited for
+    # before the first compiled block (fed to it, backward fails)
+    Layout(
+        "tp_compile_op_sac",
+        tp=2,
+        overrides={
+            "compile.enable": True,
+            "compile.backend": "aot_eager",
+            "activation_checkpoint.mode": "selective",
+            "activation_checkpoint.selective_ac_option": "op",
+        },
+    ),
+    # TP + full AC + compile: the checkpoint wrapper stays outside the compiled block
+    Layout(
+        "tp_compile_full_ac",
+        tp=2,
+        overrides={
+            "compile.enable": True,
+            "compile.backend": "aot_eager",
+            "activation_checkpoint.mode": "full",
+        },
+    ),
     # FSDP + per-block inductor compile + op-level SAC (the GPU production combination); runs
     # last so that a cold compile (~10-20 s) delays no other layout
     Layout(

@@ -56,6 +56,35 @@ def test_apply_compile_wraps_each_block():
     assert set(get_model_state_dict(model)) == set(_model().state_dict())
 
 
+def test_whole_block_ac_is_compiled_inside_its_checkpoint_and_still_recomputes():
+    """Full AC: the checkpoint wrapper stays eager around the compiled block (a compiled
+    checkpoint region fails under TP), and backward runs each block's forward again. Op-level
+    SAC is compiled together with its block (its policy sees the traced ops)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    model = apply_ac(_model(), ActivationCheckpoint(mode="full"))
+    calls: list[str] = []
+    for layer_id, block in model.layers.items():
+        block._checkpoint_wrapped_module.feed_forward.register_forward_pre_hook(
+            lambda *_, i=layer_id: calls.append(i)
+        )
+    apply_compile(model, Compile(enable=True, backend="aot_eager"))
+    for block in model.layers.values():
+        assert isinstance(block, CheckpointWrapper)
+        assert block._checkpoint_wrapped_module._compiled_call_impl is not None  # in place
+    assert set(model.state_dict()) == set(_model().state_dict())  # FQNs unchanged
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    loss = model(tokens).sum()
+    forward_calls = len(calls)
+    loss.backward()
+    assert len(calls) == 2 * forward_calls  # recomputed in backward
+    torch._dynamo.reset()
+
+    sac = apply_ac(_model(), ActivationCheckpoint(mode="selective", selective_ac_option="op"))
+    apply_compile(sac, Compile(enable=True, backend="eager"))
+    assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in sac.layers.values())
+
+
 def test_compile_components():
     assert model_compile_enabled(Compile(enable=True, components=["model", "loss"]))
     assert not model_compile_enabled(Compile(enable=True, components=["loss"]))

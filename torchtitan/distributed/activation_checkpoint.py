@@ -223,7 +223,10 @@ def _wrap(block: nn.Module, cfg: ActivationCheckpoint, context_fn: Callable | No
 
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
-    return checkpoint_wrapper(block, **kwargs)
+    wrapper = checkpoint_wrapper(block, **kwargs)
+    # whole-block recompute needs no view of single ops: torch.compile goes inside it
+    wrapper.recomputes_whole_block = context_fn is None
+    return wrapper
 
 
 @contextlib.contextmanager

@@ -31,9 +31,13 @@ def apply_compile(model: nn.Module, cfg: Compile) -> nn.Module:
     (``fullgraph=False`` for blocks with an MoE layer: in float32 its experts run a per-expert
     loop whose split sizes are data-dependent, a graph break).
 
-    Apply after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs. The
-    compiled wrapper adds ``_orig_mod.`` to raw ``named_parameters()`` / ``state_dict()`` keys;
-    ``torch.distributed.checkpoint.state_dict`` (which checkpointing uses) strips it.
+    Apply after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs. A block
+    that full / every-Nth-block AC recomputes whole keeps its checkpoint wrapper outside and
+    has its inside compiled: recomputing the compiled block is the same work, and a compiled
+    checkpoint region under tensor parallel fails in torch 2.13 (it saves a DeviceMesh for
+    backward). Op-level SAC is compiled with its block (its policy acts on the traced ops).
+    The compiled wrapper adds ``_orig_mod.`` to raw ``named_parameters()`` / ``state_dict()``
+    keys; ``torch.distributed.checkpoint.state_dict`` (which checkpointing uses) strips it.
     """
     from torchtitan.models.common.moe import MoE
 
@@ -42,6 +46,10 @@ def apply_compile(model: nn.Module, cfg: Compile) -> nn.Module:
         if block is None:
             continue
         fullgraph = not any(isinstance(m, MoE) for m in block.modules())
-        layers[layer_id] = torch.compile(block, backend=cfg.backend, fullgraph=fullgraph)
+        if getattr(block, "recomputes_whole_block", False):
+            # in place (no ``_orig_mod`` level): the wrapper's state-dict hooks keep FQNs
+            block._checkpoint_wrapped_module.compile(backend=cfg.backend, fullgraph=fullgraph)
+        else:
+            layers[layer_id] = torch.compile(block, backend=cfg.backend, fullgraph=fullgraph)
     logger.info(f"Compiled {len(layers)} transformer blocks with torch.compile ({cfg.backend})")
     return model

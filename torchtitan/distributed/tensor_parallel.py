@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -119,6 +120,21 @@ def apply_tp(
             "precision and cast by each Float8Linear (the same scales and float8 values)"
         )
         enable_float8_tensorwise_tp = False
+    apply_non_block_tp(model, tp_mesh, loss_parallel)
+    layers = getattr(model, "layers", None)
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
+        parallelize_module(block, tp_mesh, block_tp_plan(block, enable_float8_tensorwise_tp))
+    logger.info(
+        f"Applied tensor parallel (degree {tp_mesh.size()}, sequence parallel, "
+        f"loss parallel {'on' if loss_parallel else 'off'}"
+        f"{', float8 all-gather' if enable_float8_tensorwise_tp else ''})"
+    )
+    return model
+
+
+def apply_non_block_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """:func:`non_block_tp_plan` on the parts ``model`` has (a pipeline stage may lack some);
+    tied input/output embeddings stay tied, and the embedding's output is waited for."""
     tied = _is_tied(model)
     plan = {
         name: style
@@ -130,15 +146,21 @@ def apply_tp(
     if tied:
         # Each style wraps the weight in a new Parameter; point output back at the embedding's.
         model.output.weight = model.tok_embeddings.weight
-    layers = getattr(model, "layers", None)
-    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
-        parallelize_module(block, tp_mesh, block_tp_plan(block, enable_float8_tensorwise_tp))
-    logger.info(
-        f"Applied tensor parallel (degree {tp_mesh.size()}, sequence parallel, "
-        f"loss parallel {'on' if loss_parallel else 'off'}"
-        f"{', float8 all-gather' if enable_float8_tensorwise_tp else ''})"
-    )
-    return model
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings.register_forward_hook(_wait_for_async_output)
+
+
+def _wait_for_async_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's sequence-parallel output is its reduce-scatter, still in flight (an
+    ``AsyncCollectiveTensor``); the first block waits for it anyway. Waiting here, in eager
+    mode, keeps it out of compiled blocks: a compiled block fed one fails in backward (a plain
+    gradient where DTensor's redistribute expects a DTensor; torch 2.13), and waiting inside
+    the compiled graph would drop the embedding's gradient."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(output, AsyncCollectiveTensor):
+        return torch.ops._c10d_functional.wait_tensor(output)
+    return output
 
 
 def _backend(mesh: DeviceMesh) -> str:

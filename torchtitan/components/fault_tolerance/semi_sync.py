@@ -30,6 +30,7 @@ from torch import nn
 from torchtitan.components.fault_tolerance.fragments import PLACEHOLDER, build_fragments
 from torchtitan.components.fault_tolerance.live_state import to_local
 from torchtitan.config.job_config import FaultTolerance as FTConfig
+from torchtitan.distributed.comm_mode.local_tensor_load import checkpoint_fqn
 from torchtitan.tools.logging import logger
 
 LOCAL_STEP, ORIGINAL, OUTER_MOMENTUM = "local_step", "original_parameters", "outer_momentum"
@@ -63,7 +64,7 @@ class SemiSync:
         params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
         # (fragment, torchft's name, checkpoint FQN, parameter) of every trained parameter
         self._named = [
-            (f, name, name.replace("_orig_mod.", ""), p)  # torch.compile's wrapper
+            (f, name, checkpoint_fqn(name), p)  # without AC / compile wrapper names
             for f, fragment in enumerate(fragments)
             for name, p in fragment.named_parameters()
             if p.requires_grad and name != PLACEHOLDER

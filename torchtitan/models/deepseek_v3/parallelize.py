@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
-from torchtitan.distributed.tensor_parallel import non_block_tp_plan
+from torchtitan.distributed.tensor_parallel import apply_non_block_tp
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.tools.logging import logger
 
@@ -92,13 +92,7 @@ def apply_tp_deepseekv3(
     model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True
 ) -> nn.Module:
     """Apply the TP/SP plans (parts that are None in a pipeline stage are skipped)."""
-    plan = {
-        name: style
-        for name, style in non_block_tp_plan(loss_parallel).items()
-        if getattr(model, name, None) is not None
-    }
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
+    apply_non_block_tp(model, tp_mesh, loss_parallel)
     for block in model.layers.values():
         if block is not None:
             parallelize_module(block, tp_mesh, block_tp_plan(block))

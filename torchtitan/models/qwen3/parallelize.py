@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
-from torchtitan.distributed.tensor_parallel import non_block_tp_plan
+from torchtitan.distributed.tensor_parallel import apply_non_block_tp
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.tools.logging import logger
 
@@ -89,17 +89,7 @@ def check_qwen3_tp(model: nn.Module, tp: int) -> None:
 
 def apply_qwen3_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> nn.Module:
     """Apply the Qwen3 TP/SP plans (works on a meta-device model and on pipeline parts)."""
-    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    tied = emb is not None and out is not None and emb.weight is out.weight
-    plan = {
-        name: style
-        for name, style in non_block_tp_plan(loss_parallel).items()
-        if getattr(model, name, None) is not None
-    }
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
-    if tied:  # each style wraps the weight in a new Parameter; re-tie (both are Shard(0))
-        model.output.weight = model.tok_embeddings.weight
+    apply_non_block_tp(model, tp_mesh, loss_parallel)
     n_moe = 0
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, qwen3_block_tp_plan(block))
