@@ -164,6 +164,11 @@ def test_memory_budget_trades_saved_activations_for_recompute(monkeypatch):
           "--compile.backend", "eager"],
          "activation_checkpoint.mode='memory_budget' needs a compile.backend that partitions the "
          "forward and backward graphs (inductor, aot_eager); 'eager' does not"),
+        (["--activation_checkpoint.mode", "memory_budget", "--compile.enable",
+          "--parallelism.tensor_parallel_degree", "2"],
+         "activation_checkpoint.mode='memory_budget' does not work with tensor parallel: its "
+         "collectives put process-group objects in the compiled blocks, which torch.compile's "
+         "memory-budget partitioner cannot size (torch 2.13); use mode 'full' or 'selective'"),
     ],
 )
 def test_memory_budget_needs_a_partitioning_compile(flags, message):

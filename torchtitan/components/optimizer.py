@@ -50,7 +50,7 @@ class OptimizersContainer(Stateful):
         self.optimizers: list[torch.optim.Optimizer] = []
         for part in model_parts:
             params = [p for p in part.parameters() if p.requires_grad]
-            self.optimizers.append(_construct(cls, params, kwargs))
+            self.optimizers.append(_construct(cls, _groups_by_mesh(params), kwargs))
 
     steps_in_backward = False
     """True when the parameters step during backward (``optimizer_in_backward``)."""
@@ -81,6 +81,18 @@ class OptimizersContainer(Stateful):
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt in zip(self.model_parts, self.optimizers):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=opts)
+
+
+def _groups_by_mesh(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+    """One param group per device mesh (plain tensors in their own): a foreach / fused kernel
+    runs per group and cannot mix DTensors of different meshes or DTensors and plain tensors
+    (e.g. TP-sharded attention beside MoE experts that TP leaves whole)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": group} for group in groups.values()]
 
 
 def _construct(cls: type, params: list, kwargs: dict[str, Any]) -> torch.optim.Optimizer:

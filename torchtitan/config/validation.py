@@ -148,6 +148,20 @@ def validate(cfg: Any) -> None:
                 "partitions the forward and backward graphs (inductor, aot_eager); 'eager' "
                 "does not"
             )
+        par = cfg.parallelism
+        inside = [
+            name for name, degree in (
+                ("tensor", par.tensor_parallel_degree), ("context", par.context_parallel_degree),
+                ("expert", par.expert_parallel_degree),
+            ) if degree > 1
+        ]
+        if inside:
+            raise ConfigError(
+                f"activation_checkpoint.mode='memory_budget' does not work with {inside[0]} "
+                "parallel: its collectives put process-group objects in the compiled blocks, "
+                "which torch.compile's memory-budget partitioner cannot size (torch 2.13); use "
+                "mode 'full' or 'selective'"
+            )
     _check_dataset_specs(cfg)
     _check_fault_tolerance(cfg.fault_tolerance)
     dl = cfg.training.dataloader
