@@ -91,6 +91,18 @@ class RunParts:
         return self.parallel_dims.get_mesh("dp_cp")
 
 
+def check_validation_seq_len(cfg: JobConfig, model_args: Any) -> None:
+    """Validation batches must fit the model's RoPE table (``max_seq_len``, from
+    ``training.seq_len``): ValueError before any step, not at the first validation."""
+    max_seq_len = getattr(model_args, "max_seq_len", None)
+    if cfg.validation.enable and max_seq_len and cfg.validation.seq_len > max_seq_len:
+        raise ValueError(
+            f"validation.seq_len={cfg.validation.seq_len} is longer than the model's "
+            f"max_seq_len={max_seq_len} (set from training.seq_len): set --validation.seq_len "
+            f"{max_seq_len} or less"
+        )
+
+
 def dataloader_factory(
     spec: ModelSpec, cfg: JobConfig, tokenizer: Any, dp_world_size: int
 ) -> Callable[..., Any]:
@@ -223,6 +235,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     )
     if parallel_dims.cp_enabled:
         check_context_parallel(cfg, model_args, parallel_dims.cp)
+    check_validation_seq_len(cfg, model_args)
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)
     build_train_data = dataloader_factory(spec, cfg, tokenizer, data_degree)

@@ -73,6 +73,9 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
     apply_attention_config(cfg.model, model_args)
     if hasattr(model_args, "validate"):
         model_args.validate()
+    from torchtitan.build import check_validation_seq_len
+
+    check_validation_seq_len(cfg, model_args)
     parallel_dims.validate_for_model(
         n_heads=model_args.n_heads,
         n_kv_heads=model_args.effective_n_kv_heads,

@@ -57,6 +57,9 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--training.global_batch_size", "12"], "global_batch_size=12 must be a multiple"),
         (["--model.flavor", "8b"], "Did you mean '8B'"),
         (["--activation_checkpoint.debug", "--compile.enable"], "debug records the ops of eager"),
+        (["--validation.enable", "--validation.seq_len", "1024"],
+         "validation.seq_len=1024 is longer than the model's max_seq_len=512 (set from "
+         "training.seq_len): set --validation.seq_len 512 or less"),
     ],
 )
 def test_tool_refuses_a_config_the_trainer_would_refuse(capsys, flags, needle):
@@ -205,3 +208,14 @@ def test_out_of_memory_is_one_line_and_exit_1(monkeypatch, caplog, tmp_path, rai
     assert len(errors) == 1 and errors[0].startswith("error: out of memory (")
     assert "lower training.local_batch_size" in errors[0]
     assert json.loads((tmp_path / "error.json").read_text())[TRAINER_MARK]["exitcode"] == 1
+
+
+@pytest.mark.parametrize(
+    "name", ["debug_model", "deepseek_v3_debugmodel", "qwen3_debugmodel", "qwen3_debugmodel_moe"]
+)
+def test_debug_configs_validate_as_they_are(capsys, name):
+    """``--validation.enable`` on a bundled debug config passes the checks: its validation
+    sequences fit the model's RoPE table (the default validation.seq_len would not)."""
+    path = str(REPO_ROOT / "train_configs" / f"{name}.toml")
+    code = main(["--job.config_file", path, "--validation.enable"])
+    assert code == 0, capsys.readouterr().err
