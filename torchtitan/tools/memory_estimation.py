@@ -197,6 +197,12 @@ def estimate_memory(
         run = build_run(cfg, mode, device=device)
         model = run.model_parts[0]
         tracker = _tracker_for(model, run.optimizers.optimizers[0])
+        if run.optimizers.steps_in_backward:
+            logger.info(
+                "memory estimation: the tracker follows one optimizer; with "
+                "optimizer.early_step_in_backward (one per parameter) most optimizer state is "
+                "counted as Temp (the peak is the same)"
+            )
         loader = iter(run.dataloader)
         batches = [tuple(t.to(device) for t in next(loader)) for _ in range(steps)]
         step_peaks = []
