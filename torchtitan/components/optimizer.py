@@ -51,6 +51,8 @@ class OptimizersContainer(Stateful):
         for part in model_parts:
             params = [p for p in part.parameters() if p.requires_grad]
             self.optimizers.append(_construct(cls, _groups_by_mesh(params), kwargs))
+        self._per_part: list[Any] = list(self.optimizers)
+        """Each part's optimizer (or list of optimizers): what its state dict is built from."""
 
     steps_in_backward = False
     """True when the parameters step during backward (``optimizer_in_backward``)."""
@@ -73,13 +75,13 @@ class OptimizersContainer(Stateful):
     def state_dict(self) -> dict[str, Any]:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         merged: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, opt in zip(self.model_parts, self._per_part):
             merged.update(get_optimizer_state_dict(part, opt, options=opts))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self.optimizers):
+        for part, opt in zip(self.model_parts, self._per_part):
             set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=opts)
 
 

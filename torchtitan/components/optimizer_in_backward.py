@@ -26,11 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizer import (
@@ -129,15 +124,3 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         """The norms of the gradients the hooks stepped with, by device mesh; cleared."""
         norms, self._norms = dict(self._norms), defaultdict(list)
         return norms
-
-    def state_dict(self) -> dict[str, Any]:
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        merged: dict[str, Any] = {}
-        for part, opts in zip(self.model_parts, self._per_part):
-            merged.update(get_optimizer_state_dict(part, opts, options=options))
-        return merged
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opts in zip(self.model_parts, self._per_part):
-            set_optimizer_state_dict(part, opts, optim_state_dict=state_dict, options=options)
