@@ -148,7 +148,9 @@ class Trainer(Stateful):
         }
         ft.register_live_state(LiveState(parts, after_load=self._peer_state_loaded))
         if not ft.semi_sync:
-            self.run.after_backward.append(ft.sync_gradients_hook(self.model_parts))
+            self.run.after_backward.append(
+                ft.sync_gradients_hook(self.model_parts, self.run.moe_layers)
+            )
         return ft
 
     def _semi_sync_step(self, run: Any) -> Callable[[], Any]:

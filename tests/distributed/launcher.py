@@ -129,8 +129,12 @@ def launch(
             err = work / f"error_{rank}.txt"
             if err.exists():
                 failures.append(f"--- rank {rank} (exit {code}) ---\n{err.read_text()}")
+            elif code not in (0, -signal.SIGKILL):
+                # crashed without a Python traceback (an abort in C++ code, a segfault): the
+                # output tail is the only clue, and this rank is usually the first to fail
+                failures.insert(0, f"--- rank {rank} (exit {code}) output tail ---\n{_tail(logs[rank])}")
         if timed_out or failures or any(c != 0 for c in codes):
-            if not failures:  # killed or crashed without a Python traceback: show output
+            if not failures:  # every failing rank was killed: show their output
                 failures = [
                     f"--- rank {r} (exit {c}) output tail ---\n{_tail(logs[r])}"
                     for r, c in enumerate(codes)

@@ -280,6 +280,36 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
     assert not (out / "replica_1" / "checkpoint").exists()
 
 
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", "3"]
+
+
+def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_env, lighthouse):
+    """MoE (load-balancing bias on): two 1-rank groups take the steps of one 2-rank DDP job.
+    The bias moves by the routed-token counts of every group (one group's own counts move it
+    differently: the loss is off by 2e-4 from step 2)."""
+    seed = tmp_path / "seed"
+    subprocess.run(
+        ["./run_train.sh", *ARGS, *MOE, "--job.dump_folder", str(seed), "--checkpoint.enable",
+         "--checkpoint.create_seed_checkpoint"],
+        cwd=REPO_ROOT, env=_env(cpu_env, 1), check=True, capture_output=True,
+    )
+    seed_dir = seed / "checkpoint" / "step-0"
+    log = tmp_path / "ddp.log"
+    ddp = _start(_env(cpu_env, 2), log, *MOE, "--job.dump_folder", str(tmp_path / "ddp"),
+                 "--parallelism.data_parallel_replicate_degree", "2",
+                 "--checkpoint.enable", "--checkpoint.load_only",
+                 "--checkpoint.initial_load_path", str(seed_dir))
+    _wait(ddp, log)
+    reference = _metrics(tmp_path / "ddp")
+    groups = _run_groups(tmp_path, _env(cpu_env, 1, lighthouse), 3, seed_dir, *MOE,
+                         "--checkpoint.load_only")
+    for step in (1, 2, 3):
+        for g in groups:
+            assert abs(g[step]["loss"] - reference[step]["loss"]) < LOSS_TOL, (step, g, reference)
+            assert abs(g[step]["grad_norm"] - reference[step]["grad_norm"]) < GRAD_NORM_TOL
+            assert g[step]["moe/max_load"] == reference[step]["moe/max_load"], step
+
+
 @pytest.mark.parametrize("method", ["diloco", "local_sgd"])
 def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthouse, seed_checkpoint,
                                                     method):

@@ -177,13 +177,25 @@ class FaultTolerance:
         """Replica groups in the current quorum."""
         return self.manager.num_participants()
 
-    def sync_gradients_hook(self, model_parts: list[nn.Module]) -> Callable[[], None]:
+    def sync_gradients_hook(
+        self, model_parts: list[nn.Module], moe_layers: list[nn.Module] = ()
+    ) -> Callable[[], None]:
         """``hook()`` run after backward: average every local gradient shard over the groups
-        in the quorum (bucketed, through torchft's fault-tolerant process group)."""
+        in the quorum (bucketed, through torchft's fault-tolerant process group), and sum the
+        MoE layers' routed-token counts over them, so that every group moves its
+        load-balancing biases by the whole quorum's routing (as one HSDP job does). Both
+        happen before the commit vote: a group lost here fails the vote, not the update."""
+        from torch.distributed import ReduceOp
+
         params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
 
         @torch.no_grad()
         def hook() -> None:
+            if moe_layers:
+                counts = torch.stack([layer.tokens_per_expert for layer in moe_layers])
+                self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
+                for layer, summed in zip(moe_layers, counts):
+                    layer.tokens_per_expert.copy_(summed)
             grads = [to_local(p.grad) for p in params if p.grad is not None]
             for bucket in _buckets(grads):
                 flat = torch.cat([g.reshape(-1) for g in bucket])
