@@ -280,22 +280,31 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
     assert not (out / "replica_1" / "checkpoint").exists()
 
 
-MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--training.steps", "3"]
+MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 
-def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_env, lighthouse):
+@pytest.fixture(scope="module")
+def moe_seed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ft_moe_seed")
+    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "COMM_MODE")}
+    env.update(CUDA_VISIBLE_DEVICES="", NGPU="1")
+    subprocess.run(
+        ["./run_train.sh", *ARGS, *MOE, "--job.dump_folder", str(root), "--checkpoint.enable",
+         "--checkpoint.create_seed_checkpoint"],
+        cwd=REPO_ROOT, env=env, check=True, capture_output=True,
+    )
+    return root / "checkpoint" / "step-0"
+
+
+def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_env, lighthouse,
+                                                                  moe_seed):
     """MoE (load-balancing bias on): two 1-rank groups take the steps of one 2-rank DDP job.
     The bias moves by the routed-token counts of every group (one group's own counts move it
     differently: the loss is off by 2e-4 from step 2)."""
-    seed = tmp_path / "seed"
-    subprocess.run(
-        ["./run_train.sh", *ARGS, *MOE, "--job.dump_folder", str(seed), "--checkpoint.enable",
-         "--checkpoint.create_seed_checkpoint"],
-        cwd=REPO_ROOT, env=_env(cpu_env, 1), check=True, capture_output=True,
-    )
-    seed_dir = seed / "checkpoint" / "step-0"
+    seed_dir = moe_seed
     log = tmp_path / "ddp.log"
     ddp = _start(_env(cpu_env, 2), log, *MOE, "--job.dump_folder", str(tmp_path / "ddp"),
+                 "--training.steps", "3",
                  "--parallelism.data_parallel_replicate_degree", "2",
                  "--checkpoint.enable", "--checkpoint.load_only",
                  "--checkpoint.initial_load_path", str(seed_dir))
@@ -311,6 +320,20 @@ def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_
 
 
 @pytest.mark.parametrize("method", ["diloco", "local_sgd"])
+def test_semi_sync_moe_groups_route_alike_after_each_sync(tmp_path, cpu_env, lighthouse, moe_seed,
+                                                          method):
+    """Between syncs each group moves its MoE load-balancing biases by its own routing; a sync
+    reconciles them with the weights (the checksum counts both), so the groups are equal
+    right after it (without: the biases stayed apart, the checksums differed at every step)."""
+    semi = ["--fault_tolerance.semi_sync_method", method, "--fault_tolerance.sync_steps", "2",
+            "--checkpoint.load_only"]
+    g0, g1 = _run_groups(tmp_path, _env(cpu_env, 1, lighthouse), 4, moe_seed, *MOE, *semi)
+    for step in range(1, 5):
+        same = g0[step]["ft/param_checksum"] == g1[step]["ft/param_checksum"]
+        assert same == (step % 2 == 0), (step, g0[step], g1[step])
+
+
+
 def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthouse, seed_checkpoint,
                                                     method):
     steps, k = 6, 3

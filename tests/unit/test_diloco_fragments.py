@@ -129,3 +129,29 @@ def test_bad_fragment_settings_are_one_line(flags, message):
     with pytest.raises(ConfigError) as info:
         validate(ConfigManager().parse_args(["--job.config_file", DEBUG, *flags]))
     assert str(info.value) == message
+
+
+def test_fragments_hold_moe_routing_biases_as_aliases_of_the_buffers():
+    from torchtitan.components.fault_tolerance.fragments import ROUTING_BIASES
+    from torchtitan.models.qwen3 import qwen3_args
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    args = copy.deepcopy(qwen3_args["debugmodel_moe"])
+    args.vocab_size, args.max_seq_len = 64, 16
+    model = Qwen3Model(args)
+    moe_layers = [i for i, block in model.layers.items() if getattr(block, "moe", None) is not None]
+    assert moe_layers
+    units = model_units([model], None, args.n_layers)
+    first, second = build_fragments([model], fragment_units(2, [], units, args.n_layers))
+    held = {}
+    for fragment in (first, second):
+        if hasattr(fragment, ROUTING_BIASES):
+            biases = fragment.get_submodule(ROUTING_BIASES)
+            held.update({biases.fqns[n]: p for n, p in biases.named_parameters()})
+    assert sorted(held) == sorted(f"layers.{i}.moe.expert_bias" for i in moe_layers)
+    # a sync writes the parameter; the model routes by the buffer: they are one tensor
+    fqn, param = next(iter(held.items()))
+    with torch.no_grad():
+        param.add_(0.25)
+    assert torch.equal(model.get_buffer(fqn), param.detach())
+    assert not param.requires_grad

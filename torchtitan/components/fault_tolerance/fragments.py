@@ -10,6 +10,12 @@ A fragment is a module that holds its units under their model names, so its para
 are the model's FQNs (checkpoints and torchft's live state use them). On a pipeline stage that
 holds none of a fragment's units the fragment is a single zero placeholder: torchft needs a
 tensor to all-reduce at each fragment sync, and every rank takes part in every sync.
+
+The MoE load-balancing biases (``expert_bias`` buffers) move with each group's own routing
+between syncs; a fragment also holds them, as parameters that share the buffers' storage
+(under :data:`ROUTING_BIASES`), so each sync reconciles them like the weights (LocalSGD
+averages them, DiLoCo applies their averaged drift with the outer optimizer) and the groups
+route alike afterwards.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from torchtitan.distributed.pipeline.planning import (
     units_of,
 )
 
-__all__ = ["PLACEHOLDER", "build_fragments", "fragment_units", "model_units"]
+__all__ = ["PLACEHOLDER", "ROUTING_BIASES", "build_fragments", "fragment_units", "model_units"]
 
 PLACEHOLDER = "empty_fragment_placeholder"
+ROUTING_BIASES = "routing_biases"
+"""The submodule of a fragment whose parameters alias its MoE layers' ``expert_bias`` buffers;
+its ``fqns`` maps each parameter name to the buffer's model FQN."""
 _KEY = "fault_tolerance.module_fqns_per_model_fragment"
 
 
@@ -68,15 +77,24 @@ def build_fragments(
     model_parts: Sequence[nn.Module], units_per_fragment: Sequence[Sequence[str]]
 ) -> list[nn.Module]:
     """One module per fragment holding this rank's units of it by their model names (a zero
-    placeholder parameter where it holds none). Raises ValueError when two fragments share a
+    placeholder parameter where it holds none) and their MoE routing biases. Raises ValueError when two fragments share a
     parameter (tied weights)."""
     local = {unit: part.get_submodule(unit) for part in model_parts for unit in units_of(part)}
     fragments = []
     for units in units_per_fragment:
         root = nn.Module()
+        biases = nn.Module()
+        biases.fqns = {}
         for unit in units:
             if unit in local:
                 _add(root, unit, local[unit])
+                for name, buf in local[unit].named_buffers():
+                    if name.rsplit(".", 1)[-1] == "expert_bias":
+                        alias = f"b{len(biases.fqns)}"
+                        biases.register_parameter(alias, nn.Parameter(buf, requires_grad=False))
+                        biases.fqns[alias] = f"{unit}.{name}"
+        if biases.fqns:
+            root.add_module(ROUTING_BIASES, biases)
         if not any(True for _ in root.parameters()):
             device = next(p.device for part in model_parts for p in part.parameters())
             root.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(1, device=device)))

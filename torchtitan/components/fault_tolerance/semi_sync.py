@@ -27,7 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.components.fault_tolerance.fragments import PLACEHOLDER, build_fragments
+from torchtitan.components.fault_tolerance.fragments import (
+    PLACEHOLDER,
+    ROUTING_BIASES,
+    build_fragments,
+)
 from torchtitan.components.fault_tolerance.live_state import to_local
 from torchtitan.config.job_config import FaultTolerance as FTConfig
 from torchtitan.distributed.comm_mode.local_tensor_load import checkpoint_fqn
@@ -62,12 +66,13 @@ class SemiSync:
 
         self.fragments = fragments = build_fragments(model_parts, units_per_fragment)
         params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-        # (fragment, torchft's name, checkpoint FQN, parameter) of every trained parameter
+        # (fragment, torchft's name, checkpoint FQN, parameter) of every trained parameter and
+        # routing bias
         self._named = [
-            (f, name, checkpoint_fqn(name), p)  # without AC / compile wrapper names
+            (f, name, _checkpoint_key(fragment, name), p)
             for f, fragment in enumerate(fragments)
             for name, p in fragment.named_parameters()
-            if p.requires_grad and name != PLACEHOLDER
+            if (p.requires_grad or name.startswith(f"{ROUTING_BIASES}.")) and name != PLACEHOLDER
         ]
         self._hooked = _HookedStep(params, step_fn)
         self._cfg = cfg
@@ -158,6 +163,14 @@ class SemiSync:
         next pseudo-gradient from them, not from the weights before the load)."""
         if self.outers and not self._restored:
             self.algorithm._save_parameters()
+
+
+def _checkpoint_key(fragment: nn.Module, name: str) -> str:
+    """A fragment parameter's model FQN without AC / compile wrapper names (a routing bias:
+    its buffer's)."""
+    if name.startswith(f"{ROUTING_BIASES}."):
+        name = fragment.get_submodule(ROUTING_BIASES).fqns[name.split(".", 1)[1]]
+    return checkpoint_fqn(name)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
