@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,14 +68,42 @@ def _tail(path: Path, n_chars: int = 3000) -> str:
         return "<no output>"
 
 
+class _NativeCrash(LaunchError):
+    """A rank died by a signal of its own (SIGABRT, SIGSEGV...), not by a Python error."""
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    retries_on_native_crash: int = 1,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns ``[result of rank 0, ...]``."""
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; returns ``[result of rank 0, ...]``.
+
+    A launch in which a rank died by a signal of its own (an abort or segfault inside gloo's
+    C++ threads, which CPU runs of torch 2.13 show rarely and at random: once in hundreds of
+    launches) is run again, up to ``retries_on_native_crash`` times, with a warning that holds
+    the crash report; Python errors, hangs and a crash that repeats fail at once.
+    """
+    for attempt in range(retries_on_native_crash + 1):
+        try:
+            return _launch_once(fn, world_size, args, timeout_s, env)
+        except _NativeCrash as crash:
+            if attempt == retries_on_native_crash:
+                raise LaunchError(str(crash)) from None
+            warnings.warn(f"retrying after a native crash: {crash}", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    env: dict[str, str] | None,
+) -> list[Any]:
     target = _target_name(fn)
     with tempfile.TemporaryDirectory(prefix="tt_launch_") as tmp:
         work = Path(tmp)
@@ -125,6 +154,7 @@ def launch(
                 _kill(p)
         codes = [p.returncode for p in procs]
         failures = []
+        crashed = False
         for rank, code in enumerate(codes):
             err = work / f"error_{rank}.txt"
             if err.exists():
@@ -132,6 +162,7 @@ def launch(
             elif code not in (0, -signal.SIGKILL):
                 # crashed without a Python traceback (an abort in C++ code, a segfault): the
                 # output tail is the only clue, and this rank is usually the first to fail
+                crashed = crashed or code < 0
                 failures.insert(0, f"--- rank {rank} (exit {code}) output tail ---\n{_tail(logs[rank])}")
         if timed_out or failures or any(c != 0 for c in codes):
             if not failures:  # every failing rank was killed: show their output
@@ -145,7 +176,8 @@ def launch(
                 if timed_out
                 else f"launch of {target} on {world_size} ranks failed (exit codes {codes})"
             )
-            raise LaunchError(head + "\n" + "\n".join(failures))
+            error = _NativeCrash if crashed and not timed_out else LaunchError
+            raise error(head + "\n" + "\n".join(failures))
         return [pickle.loads((work / f"result_{r}.pkl").read_bytes()) for r in range(world_size)]
 
 

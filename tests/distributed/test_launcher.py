@@ -41,3 +41,25 @@ def test_wall_timeout_kills_ranks():
 def test_target_must_be_importable():
     with pytest.raises(ValueError, match="module-level function"):
         launch(lambda: None, 2)
+
+
+def _abort_on_rank_1(marker: str, always: bool) -> int:
+    import os
+    from pathlib import Path
+
+    if dist.get_rank() == 1 and (always or not Path(marker).exists()):
+        Path(marker).write_text("crashed once")
+        print("native crash on rank 1", flush=True)
+        os.abort()
+    dist.barrier()
+    return dist.get_rank()
+
+
+@pytest.mark.slow
+def test_native_crash_is_retried_once_with_a_warning(tmp_path):
+    marker = str(tmp_path / "crashed")
+    with pytest.warns(UserWarning, match="(?s)retrying after a native crash.*exit -6.*native crash on rank 1"):
+        assert launch(_abort_on_rank_1, 2, marker, False) == [0, 1]
+    with pytest.raises(LaunchError, match=r"(?s)exit codes \[.*-6\].*native crash on rank 1"), \
+            pytest.warns(UserWarning, match="retrying after a native crash"):
+        launch(_abort_on_rank_1, 2, marker, True)
