@@ -333,7 +333,7 @@ class Checkpoint:
     """Start from scratch although the folder holds checkpoints (e.g. ones that fail verification); they are left untouched: never loaded, purged or overwritten."""
 
     enable_ft_dataloader_checkpoints: bool = False
-    """Save dataloader state per fault-tolerance replica."""
+    """Upstream's per-replica-group dataloader checkpoints; not needed here (a warning): the data position is global, the same in every fault-tolerant replica group, and the shared checkpoint holds it."""
 
 
 @dataclass
