@@ -126,7 +126,7 @@ def test_renamed_flags_on_cli(caplog, group):
 
 
 def _dropped_key(rule: legacy.Rule) -> str:
-    return rule.old[:-2] + ".linear.mx.recipe_name" if rule.old.endswith(".*") else rule.old
+    return rule.old[:-2] + ".linear.nvfp4.recipe_name" if rule.old.endswith(".*") else rule.old
 
 
 @pytest.mark.parametrize("rule", DROPPED, ids=[r.old for r in DROPPED])
@@ -219,16 +219,23 @@ def test_newer_quantize_section_maps_to_float8(tmp_path, caplog):
     doc = (
         '[quantize.linear.float8]\nrecipe_name = "rowwise"\nfilter_fqns = ["output", "x"]\n'
         '[quantize.grouped_mm.float8]\nfqns = ["experts"]\n'
-        '[quantize.linear.mx]\nrecipe_name = "mxfp8"\n'
+        '[quantize.linear.mx]\nrecipe_name = "mxfp8_cublas"\nfilter_fqns = ["output", "y"]\n'
+        'mxfp8_dim1_cast_kernel_choice = "cuda"\n'
+        '[quantize.grouped_mm.mx]\nfqns = ["experts"]\nrecipe_name = "mxfp8"\n'
+        '[quantize.future]\nsetting = 1\n'
     )
     with caplog.at_level(logging.WARNING):
         cfg = parse("--job.config_file", write(tmp_path, doc))
     assert cfg.float8.recipe_name == "rowwise"
     assert cfg.float8.filter_fqns == ["output", "x"]
     assert cfg.float8.moe_fqns_prototype == ["experts"]
-    assert any(
-        "quantize.linear.mx.recipe_name" in m and "ignored" in m for m in warnings_text(caplog)
-    )
+    assert cfg.mx.recipe_name == "mxfp8_cublas"  # upstream's name: the mx converter maps it
+    assert cfg.mx.filter_fqns == ["output", "y"]
+    assert cfg.mx.moe_fqns_prototype == ["experts"]
+    warned = warnings_text(caplog)
+    for key in ("quantize.linear.mx.mxfp8_dim1_cast_kernel_choice",
+                "quantize.grouped_mm.mx.recipe_name", "quantize.future.setting"):
+        assert any(key in m and "ignored" in m for m in warned), (key, warned)
 
 
 def test_new_key_wins_over_old_key(tmp_path, caplog):
