@@ -334,6 +334,7 @@ def test_semi_sync_moe_groups_route_alike_after_each_sync(tmp_path, cpu_env, lig
 
 
 
+@pytest.mark.parametrize("method", ["diloco", "local_sgd"])
 def test_semi_sync_groups_identical_after_each_sync(tmp_path, cpu_env, lighthouse, seed_checkpoint,
                                                     method):
     steps, k = 6, 3

@@ -372,3 +372,48 @@ def test_pipeline_llama_rejects_ddp():
             None,
             None,
         )
+
+
+def test_split_points_cut_stages_like_upstreams_older_setting():
+    cfg = _pp_cfg(2, "LoopedBFS", pipeline_parallel_split_points=["layers.1", "layers.2", "layers.4"])
+    layout = resolve_pipeline_layout(cfg, _meta_model(6), 6, pp_rank=0)
+    assert layout.num_stages == 4 and layout.stage_ids == (0, 2)
+    assert layout.fqns_per_stage == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1"],
+        ["layers.2", "layers.3"],
+        ["layers.4", "layers.5", "norm", "output"],
+    ]
+    # the same cut as the equivalent module_fqns_per_model_part
+    explicit = _pp_cfg(2, "LoopedBFS", module_fqns_per_model_part=layout.fqns_per_stage)
+    assert resolve_pipeline_layout(explicit, _meta_model(6), 6, pp_rank=0) == layout
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        (["layers.0"], r"'layers.0' is not a layer that can start a stage; use layers.1 ... layers.3"),
+        (["layers.4"], "'layers.4' is not a layer"),
+        (["norm"], "'norm' is not a layer"),
+        (["layers.2", "layers.1"], "'layers.1' does not come after the split point before it"),
+        (["layers.2", "layers.2"], "'layers.2' does not come after"),
+    ],
+)
+def test_bad_split_points_name_the_point(points, message):
+    cfg = _pp_cfg(2, "1F1B", pipeline_parallel_split_points=points)
+    with pytest.raises(ValueError, match=r"parallelism.pipeline_parallel_split_points: " + message):
+        resolve_pipeline_layout(cfg, _meta_model(4), 4, pp_rank=0)
+
+
+def test_split_points_and_explicit_fqns_are_not_both_set():
+    cfg = _pp_cfg(2, "1F1B", pipeline_parallel_split_points=["layers.2"],
+                  module_fqns_per_model_part=[["tok_embeddings"], ["norm"]])
+    with pytest.raises(ValueError, match="both cut the pipeline stages; set one of them"):
+        resolve_pipeline_layout(cfg, _meta_model(4), 4, pp_rank=0)
+
+
+def test_split_points_stage_count_must_suit_the_schedule():
+    cfg = _pp_cfg(2, "1F1B", pipeline_parallel_split_points=["layers.1", "layers.2", "layers.3"])
+    with pytest.raises(ValueError, match=r"split_points \(4 stages\).*1F1B runs one stage per rank|"
+                                         r"1F1B runs one stage per rank, but parallelism.pipeline_parallel_split_points"):
+        resolve_pipeline_layout(cfg, _meta_model(4), 4, pp_rank=0)

@@ -257,6 +257,9 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int | None = None
     """Transformer layers per pipeline stage (None: one stage per pp rank, or per virtual stage)."""
 
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """The older way to cut stages: the first layer of each stage after the first (e.g. ["layers.4", "layers.8"] gives 3 stages); the embedding goes with the first stage, norm and output with the last. Prefer module_fqns_per_model_part."""
+
     pipeline_parallel_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
 

@@ -249,6 +249,37 @@ def validate_fqns_per_stage(model: nn.Module, fqns_per_stage: Sequence[Sequence[
         last_pos = max(last_pos, positions[-1])
 
 
+def fqns_from_split_points(
+    split_points: Sequence[str],
+    n_layers: int,
+    input_modules: Sequence[str] = ("tok_embeddings",),
+    output_modules: Sequence[str] = ("norm", "output"),
+    layers_prefix: str = "layers",
+) -> list[list[str]]:
+    """The stages that ``split_points`` (the first layer of each stage after the first, e.g.
+    ``layers.4``) cut: the input modules with the first stage, the output ones with the last.
+    Raises ValueError naming the bad point."""
+    key = "parallelism.pipeline_parallel_split_points"
+    starts = []
+    for point in split_points:
+        head, _, index = str(point).rpartition(".")
+        if head != layers_prefix or not index.isdigit() or not 0 < int(index) < n_layers:
+            raise ValueError(
+                f"{key}: {point!r} is not a layer that can start a stage; use "
+                f"{layers_prefix}.1 ... {layers_prefix}.{n_layers - 1}"
+            )
+        if starts and int(index) <= starts[-1]:
+            raise ValueError(f"{key}: {point!r} does not come after the split point before it")
+        starts.append(int(index))
+    bounds = [0, *starts, n_layers]
+    stages = [
+        [f"{layers_prefix}.{i}" for i in range(lo, hi)] for lo, hi in zip(bounds, bounds[1:])
+    ]
+    stages[0] = [*input_modules, *stages[0]]
+    stages[-1] = [*stages[-1], *output_modules]
+    return stages
+
+
 def split_model_part(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     """A deep copy of ``model`` holding only ``fqns`` (FQNs unchanged).
 
@@ -333,7 +364,19 @@ def resolve_pipeline_layout(
     lps = cfg.pipeline_parallel_layers_per_stage
 
     fqns = cfg.module_fqns_per_model_part
-    if fqns:
+    split_points = cfg.pipeline_parallel_split_points
+    if fqns and split_points:
+        raise ValueError(
+            "parallelism.pipeline_parallel_split_points and module_fqns_per_model_part both cut "
+            "the pipeline stages; set one of them"
+        )
+    if split_points:
+        fqns = fqns_from_split_points(
+            split_points, n_layers, input_modules, output_modules, layers_prefix
+        )
+        source = f"parallelism.pipeline_parallel_split_points ({len(fqns)} stages)"
+        num_stages = len(fqns)
+    elif fqns:
         num_stages = len(fqns)
         source = f"parallelism.module_fqns_per_model_part ({num_stages} parts)"
     elif lps is not None:
