@@ -289,6 +289,16 @@ def test_microbatch_size_must_divide_local_batch():
         n_microbatches_for(_pp_cfg(pipeline_parallel_microbatch_size=3), 8)
 
 
+def test_older_microbatch_count_sets_it_directly():
+    assert n_microbatches_for(_pp_cfg(pipeline_parallel_microbatches=2), 8) == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_microbatches=3 must be >= 1 and divide "
+                                         "training.local_batch_size=8"):
+        n_microbatches_for(_pp_cfg(pipeline_parallel_microbatches=3), 8)
+    both = _pp_cfg(pipeline_parallel_microbatches=4, pipeline_parallel_microbatch_size=2)
+    with pytest.raises(ValueError, match="both set the microbatching; set one"):
+        n_microbatches_for(both, 8)
+
+
 @pytest.mark.parametrize(
     "schedule, n_mb, message",
     [
@@ -392,7 +402,8 @@ def test_split_points_cut_stages_like_upstreams_older_setting():
 @pytest.mark.parametrize(
     ("points", "message"),
     [
-        (["layers.0"], r"'layers.0' is not a layer that can start a stage; use layers.1 ... layers.3"),
+        (["layers.0"], r"'layers.0' is not a layer that can start a stage \(4 layers\); use "
+                       r"layers.1 ... layers.3"),
         (["layers.4"], "'layers.4' is not a layer"),
         (["norm"], "'norm' is not a layer"),
         (["layers.2", "layers.1"], "'layers.1' does not come after the split point before it"),

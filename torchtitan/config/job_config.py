@@ -269,6 +269,9 @@ class Parallelism:
     pipeline_parallel_microbatch_size: int = 1
     """Microbatch size for pipeline parallelism; local_batch_size / this = number of microbatches."""
 
+    pipeline_parallel_microbatches: int | None = None
+    """The older way to set the pipeline microbatch count (it must divide local_batch_size); None: local_batch_size / pipeline_parallel_microbatch_size. Prefer pipeline_parallel_microbatch_size."""
+
     context_parallel_degree: int = 1
     """Context parallelism degree (sequence sharded across ranks)."""
 

@@ -125,7 +125,6 @@ _QUANTIZE_FLOAT8_KEYS = (
     "emulate",
 )
 
-_MICROBATCHES = "the count is derived: training.local_batch_size / parallelism.pipeline_parallel_microbatch_size"
 _FLOAT8_SCALING = "only dynamic scaling remains; choose a recipe with float8.recipe_name"
 
 RULES: tuple[Rule, ...] = (
@@ -171,8 +170,7 @@ RULES: tuple[Rule, ...] = (
     # experimental -> parallelism / job
     *_moved("experimental", _EXPERIMENTAL_PARALLEL_KEYS, "parallelism"),
     Rule("experimental.pipeline_parallel_split_points", "parallelism.pipeline_parallel_split_points"),
-    _dropped("experimental.pipeline_parallel_microbatches", _MICROBATCHES),
-    _dropped("parallelism.pipeline_parallel_microbatches", _MICROBATCHES),
+    Rule("experimental.pipeline_parallel_microbatches", "parallelism.pipeline_parallel_microbatches"),
     _dropped("experimental.pipeline_parallel_split_mode", "stages are split from module FQNs"),
     Rule("experimental.custom_model_path", "experimental.custom_import"),
     Rule("experimental.custom_args_module", "job.custom_config_module"),

@@ -264,9 +264,14 @@ def fqns_from_split_points(
     for point in split_points:
         head, _, index = str(point).rpartition(".")
         if head != layers_prefix or not index.isdigit() or not 0 < int(index) < n_layers:
+            last = n_layers - 1
+            allowed = (
+                f"{layers_prefix}.1 ... {layers_prefix}.{last}" if last > 1
+                else f"{layers_prefix}.1" if last == 1 else "none: the model has one layer"
+            )
             raise ValueError(
-                f"{key}: {point!r} is not a layer that can start a stage; use "
-                f"{layers_prefix}.1 ... {layers_prefix}.{n_layers - 1}"
+                f"{key}: {point!r} is not a layer that can start a stage ({n_layers} layers); "
+                f"use {allowed}"
             )
         if starts and int(index) <= starts[-1]:
             raise ValueError(f"{key}: {point!r} does not come after the split point before it")

@@ -39,8 +39,22 @@ def check_pipeline_composition(parallel_dims) -> None:
 
 
 def n_microbatches_for(cfg: Parallelism, local_batch_size: int) -> int:
-    """``local_batch_size // pipeline_parallel_microbatch_size``; ValueError unless it divides."""
+    """``local_batch_size // pipeline_parallel_microbatch_size`` (or the older
+    ``pipeline_parallel_microbatches``); ValueError unless it divides."""
+    count = cfg.pipeline_parallel_microbatches
     mbs = cfg.pipeline_parallel_microbatch_size
+    if count is not None:
+        if mbs != 1:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_microbatches={count} and "
+                f"pipeline_parallel_microbatch_size={mbs} both set the microbatching; set one"
+            )
+        if count < 1 or local_batch_size % count:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_microbatches={count} must be >= 1 and divide "
+                f"training.local_batch_size={local_batch_size}"
+            )
+        return count
     if mbs < 1 or local_batch_size % mbs:
         raise ValueError(
             f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1 and divide "
