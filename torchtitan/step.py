@@ -50,6 +50,7 @@ def sequence_context(
         seq_dims=[1, 1, *[0] * len(rope_tables)],
         no_restore={inputs, labels},
         rotate_method=run.job_config.parallelism.context_parallel_rotate_method,
+        load_balance=run.parallel_dims.cp_load_balance,
     )
 
 

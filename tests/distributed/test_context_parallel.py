@@ -5,8 +5,9 @@ Every run starts from one seed checkpoint and sees the same global batch per ste
 same data-parallel degree but cp = 1, so the data is identical: CP2 vs one device (both
 rotate methods; and with full activation checkpointing + per-block compile), CP2 x FSDP2 vs
 FSDP2, CP2 x TP2 vs TP2, CP2 x PP2 vs PP2, CP2 x DDP2 (HSDP over replicate x cp) vs DDP2.
-Head-tail load
-balancing is on (causal attention). Per-step loss and grad norm over 4 AdamW steps, and a
+Head-tail load balancing is on (causal attention), except in CP2 with
+``context_parallel_load_balancer none`` vs one device; which positions each rank holds under
+either setting is checked directly. Per-step loss and grad norm over 4 AdamW steps, and a
 validation loss after them, agree within rtol/atol 1e-5: ring attention merges per-block
 softmax results through their log-sum-exp in fp32, so CP changes only the order of fp32 sums
 (measured differences are around 1e-6); a lost block, a wrong causal mask or a wrong token
@@ -52,6 +53,7 @@ TWO_RANKS = {
     "ddp2": [*NO_DP, "--parallelism.data_parallel_replicate_degree", "2"],
     "cp2_ac_compile": [*CP2, *NO_DP, "--activation_checkpoint.mode", "full",
                        "--compile.enable", "--compile.backend", "aot_eager"],
+    "cp2_unbalanced": [*CP2, *NO_DP, "--parallelism.context_parallel_load_balancer", "none"],
 }
 FOUR_RANKS = {
     "cp2_fsdp2": [*CP2, *FSDP2],
@@ -67,6 +69,7 @@ PAIRS = [
     ("cp2_pp2", "pp2"),
     ("cp2_ddp2", "ddp2"),
     ("cp2_ac_compile", "one"),
+    ("cp2_unbalanced", "one"),
 ]
 
 
@@ -185,3 +188,21 @@ def test_cp_real_dataloader_resumes_exactly(runs):
         assert resumed[rank]["first_step"] == [3]
         assert resumed[rank]["loss"] == straight[rank]["loss"][2:]  # bitwise
         assert resumed[rank]["grad_norm"] == straight[rank]["grad_norm"][2:]
+
+
+def _positions_held(load_balance: bool) -> list[int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.context_parallel import context_parallel_context
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    positions = torch.arange(8).view(1, 8)
+    with context_parallel_context(mesh, [positions], [1], {positions}, "allgather", load_balance):
+        pass
+    return positions.flatten().tolist()
+
+
+def test_load_balancer_decides_which_positions_each_rank_holds():
+    assert launch(_positions_held, 2, True) == [[0, 1, 6, 7], [2, 3, 4, 5]]  # head-tail
+    assert launch(_positions_held, 2, False) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # contiguous

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import typing
 from pathlib import Path
 
@@ -133,6 +134,7 @@ def _dropped_key(rule: legacy.Rule) -> str:
 def test_dropped_key_in_toml_is_ignored_with_warning(tmp_path, caplog, rule):
     key = _dropped_key(rule)
     value = True if rule.flag_kind == "bool" else "something"
+    value = getattr(rule.transform, "accepted", value)  # only upstream's default is dropped
     path = write(tmp_path, toml_doc(key, value) + "[comm]\ntrace_buf_size = 4\n")
     with caplog.at_level(logging.WARNING):
         cfg = parse("--job.config_file", path)
@@ -147,7 +149,10 @@ def test_dropped_flags_on_cli_are_ignored_with_warning(caplog):
     tokens = []
     for rule in DROPPED:
         key = _dropped_key(rule)
-        tokens += [f"--{key}"] if rule.flag_kind == "bool" else [f"--{key}", "something"]
+        if hasattr(rule.transform, "accepted"):  # only upstream's default is dropped
+            tokens += [f"--{key}", str(rule.transform.accepted).lower()]
+        else:
+            tokens += [f"--{key}"] if rule.flag_kind == "bool" else [f"--{key}", "something"]
     with caplog.at_level(logging.WARNING):
         cfg = parse(*tokens, "--training.steps", "4")
     assert _without_file(cfg) == _without_file(parse("--training.steps", "4"))
@@ -155,6 +160,25 @@ def test_dropped_flags_on_cli_are_ignored_with_warning(caplog):
     for rule in DROPPED:
         key = _dropped_key(rule)
         assert any(f"--{key}" in m and "ignored" in m for m in messages), key
+
+
+@pytest.mark.parametrize(
+    ("tokens", "toml", "message"),
+    [
+        (["--parallelism.expert_parallel_comm_backend", "deepep"],
+         '[parallelism]\nexpert_parallel_comm_backend = "deepep"\n',
+         "parallelism.expert_parallel_comm_backend='deepep' is not built in (tokens travel by the "
+         "standard all-to-all); remove it or set 'standard'"),
+        (["--parallelism.pipeline_parallel_expert_parallel_overlap"],
+         "[parallelism]\npipeline_parallel_expert_parallel_overlap = true\n",
+         "parallelism.pipeline_parallel_expert_parallel_overlap=True is not built in"),
+    ],
+)
+def test_upstream_features_this_build_lacks_are_refused_when_set(tmp_path, tokens, toml, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(*tokens)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse("--job.config_file", write(tmp_path, toml))
 
 
 def _without_file(cfg):

@@ -48,3 +48,16 @@ def test_model_checks():
     pp = _dims(4, pipeline_parallel_degree=4)
     with pytest.raises(ParallelismError, match="n_layers=2"):
         pp.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=64)
+
+
+def test_context_parallel_seq_len_rule_follows_the_load_balancer():
+    balanced = _dims(2, context_parallel_degree=2)
+    with pytest.raises(ParallelismError, match=r"seq_len=66 must be divisible by 4 \(tp=1 for "
+                                               r"sequence parallel, 2\*cp=4 for context parallel load balancing\)"):
+        balanced.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=66)
+    contiguous = _dims(2, context_parallel_degree=2, context_parallel_load_balancer="none")
+    assert not contiguous.cp_load_balance
+    contiguous.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=66)
+    with pytest.raises(ParallelismError, match=r"seq_len=65 must be divisible by 2 \(tp=1 for "
+                                               r"sequence parallel, cp=2 for context parallel\)"):
+        contiguous.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=65)

@@ -172,9 +172,12 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
                 kind = "bool" if new is not None and new.is_bool else "value"
             if negated and kind != "bool":
                 raise ConfigError(_unknown_flag(name, fields))
-            if rule.new is None:  # dropped: swallow a value if one follows
-                value = None
-                if inline is None and i < len(argv) and not looks_like_flag(argv[i]):
+            if rule.new is None:  # dropped: swallow a value if one follows (a rule may check it)
+                value = (not negated) if kind == "bool" else None
+                if inline is not None:
+                    value = inline
+                elif i < len(argv) and not looks_like_flag(argv[i]):
+                    value = argv[i]
                     i += 1
             elif kind == "bool":
                 _no_value(argv, i, inline, target)

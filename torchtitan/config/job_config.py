@@ -278,6 +278,9 @@ class Parallelism:
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How ring attention exchanges key/value shards."""
 
+    context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
+    """How context parallel spreads causal attention's work over the cp ranks: headtail (each rank holds one chunk from the front and one from the back of every sequence; seq_len divisible by 2*cp) or none (contiguous chunks: later ranks attend to more keys; seq_len divisible by cp)."""
+
     expert_parallel_degree: int = 1
     """Expert parallelism degree (MoE models)."""
 

@@ -93,6 +93,22 @@ def _dropped(old: str, note: str, flag_kind: str = "value") -> Rule:
     return Rule(old, None, note, None, flag_kind)
 
 
+def _dropped_unless_set(
+    old: str, default: Any, refusal: str, note: str, flag_kind: str = "value"
+) -> Rule:
+    """Upstream's default is dropped with a warning; any other value (a feature this build
+    lacks) is refused: ``{old}={value!r} {refusal}``."""
+
+    def transform(value: Any) -> list[Op]:
+        as_text = str(value).lower() == str(default).lower()  # a CLI value is text
+        if value != default and not (isinstance(default, bool) and as_text):
+            raise LegacyValueError(f"{old}={value!r} {refusal}")
+        return []
+
+    transform.accepted = default  # type: ignore[attr-defined]
+    return Rule(old, None, note, transform, flag_kind)
+
+
 _PARALLEL_KEYS = (
     "data_parallel_replicate_degree",
     "data_parallel_shard_degree",
@@ -175,14 +191,16 @@ RULES: tuple[Rule, ...] = (
     Rule("experimental.custom_model_path", "experimental.custom_import"),
     Rule("experimental.custom_args_module", "job.custom_config_module"),
     # parallelism keys of newer upstream schemas that this build does not implement
-    _dropped("parallelism.context_parallel_load_balancer", "not configurable in this build"),
-    _dropped(
-        "parallelism.expert_parallel_comm_backend", "only the standard all-to-all is built in"
+    _dropped_unless_set(
+        "parallelism.expert_parallel_comm_backend", "standard",
+        "is not built in (tokens travel by the standard all-to-all); remove it or set 'standard'",
+        "only the standard all-to-all is built in",
     ),
-    _dropped(
-        "parallelism.pipeline_parallel_expert_parallel_overlap",
-        "not implemented in this build",
-        "bool",
+    _dropped_unless_set(
+        "parallelism.pipeline_parallel_expert_parallel_overlap", False,
+        "is not built in (DualPipeV overlapping expert-parallel all-to-alls with compute); "
+        "remove it",
+        "not implemented in this build", "bool",
     ),
     # checkpoint
     Rule("checkpoint.enable_checkpoint", "checkpoint.enable"),

@@ -9,9 +9,12 @@ silently ignored:
   :func:`reject_planned_settings`. Whoever implements a feature deletes its entries here.
 * :data:`METADATA_FIELDS` describe the config itself; no training code acts on them by design.
 
-Empty today: every feature behind an upstream key is built. Some settings are refused in
-some layouts with their own message instead (``parallelism.expert_tensor_parallel_degree`` > 1,
-``optimizer.early_step_in_backward`` with clipping or pipeline parallel...).
+Empty today. Some settings are refused in some layouts with their own message instead
+(``parallelism.expert_tensor_parallel_degree`` > 1, ``optimizer.early_step_in_backward`` with
+clipping or pipeline parallel...), and two upstream keys whose features this build lacks
+(``parallelism.expert_parallel_comm_backend`` other than "standard",
+``parallelism.pipeline_parallel_expert_parallel_overlap``) are legacy rules that drop
+upstream's default and refuse any other value (config/legacy.py).
 """
 
 from __future__ import annotations

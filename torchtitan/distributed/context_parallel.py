@@ -77,11 +77,13 @@ def context_parallel_context(
     seq_dims: Sequence[int],
     no_restore: set[torch.Tensor],
     rotate_method: str,
+    load_balance: bool = True,
 ) -> Iterator[None]:
     """Shard ``buffers`` along ``seq_dims`` over ``cp_mesh`` and run SDPA as ring attention.
 
     Buffers in ``no_restore`` stay sharded after the context (the batch); the others (RoPE
-    tables) get their full contents back.
+    tables) get their full contents back. ``load_balance``: head-tail chunks (else contiguous
+    ones); torch keeps the choice process-wide, so it is set on every entry.
     """
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -94,6 +96,9 @@ def context_parallel_context(
     if cp_mesh.device_type == "cpu":
         install_cpu_ring_attention()
     set_rotate_method(rotate_method)
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    _cp_options.enable_load_balance = load_balance
     with context_parallel(
         cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
         no_restore_buffers=set(no_restore),

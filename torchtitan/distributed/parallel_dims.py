@@ -26,6 +26,8 @@ class ParallelDims:
     ep: int
     etp: int
     world_size: int
+    cp_load_balance: bool = True
+    """Head-tail load balancing of context parallel (sequence chunks of seq_len / (2 * cp))."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     world_mesh: DeviceMesh | None = field(default=None, repr=False)
 
@@ -44,6 +46,7 @@ class ParallelDims:
             ep=cfg.expert_parallel_degree,
             etp=cfg.expert_tensor_parallel_degree,
             world_size=world_size,
+            cp_load_balance=cfg.context_parallel_load_balancer == "headtail",
         )
 
     def _validate(self) -> None:
@@ -120,12 +123,16 @@ class ParallelDims:
                 f"parallelism.pipeline_parallel_degree={self.pp} exceeds the model's "
                 f"n_layers={n_layers}"
             )
-        seq_div = self.tp * self.cp * (2 if self.cp > 1 else 1)
+        balanced = self.cp > 1 and self.cp_load_balance
+        seq_div = self.tp * self.cp * (2 if balanced else 1)
         if seq_len % seq_div:
+            cp_part = (
+                f", 2*cp={2 * self.cp} for context parallel load balancing)" if balanced
+                else f", cp={self.cp} for context parallel)" if self.cp > 1 else ")"
+            )
             raise ParallelismError(
                 f"training.seq_len={seq_len} must be divisible by {seq_div} "
-                f"(tp={self.tp} for sequence parallel"
-                + (f", 2*cp={2 * self.cp} for context parallel load balancing)" if self.cp > 1 else ")")
+                f"(tp={self.tp} for sequence parallel" + cp_part
             )
 
     # --- which parallelisms are on -------------------------------------------------------
