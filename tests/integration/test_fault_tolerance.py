@@ -381,19 +381,25 @@ def _saved_data_position(step_dir: Path) -> int:
 
 
 @pytest.mark.parametrize(
-    ("sync_steps", "fragments", "saved_at"), [(3, 1, 4), (4, 2, 3)], ids=["whole", "2_fragments"]
+    ("sync_steps", "fragments", "saved_at", "moe"),
+    [(3, 1, 4, False), (4, 2, 3, False), (4, 2, 3, True)],
+    ids=["whole", "2_fragments", "moe_2_fragments"],
 )
 def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
-                                                               seed_checkpoint, sync_steps,
-                                                               fragments, saved_at):
+                                                               request, sync_steps, fragments,
+                                                               saved_at, moe):
     """One replica group, DiLoCo, restarted from a checkpoint taken between two syncs: the
     steps after it (syncs included) are bit for bit those of the uninterrupted run. The
     interval position, each fragment's parameters of its last sync and the outer momentum are
     in the checkpoint; without them the sync moves, or the pseudo-gradient is measured from
     the weights of the checkpoint (or of the random init: the groups use another seed than
-    the seed checkpoint's)."""
+    the seed checkpoint's). With MoE, the routing biases' last-sync values too (the checksum
+    counts the biases)."""
     env = _env(cpu_env, 2, lighthouse_min1)
-    flags = [*_group_flags(tmp_path / "out", 0, 7, seed_checkpoint, "--fault_tolerance.group_size",
+    seed_checkpoint = request.getfixturevalue("moe_seed" if moe else "seed_checkpoint")
+    model = MOE if moe else []
+    flags = [*_group_flags(tmp_path / "out", 0, 7, seed_checkpoint, *model,
+                           "--fault_tolerance.group_size",
                            "1", "--fault_tolerance.semi_sync_method", "diloco",
                            "--fault_tolerance.sync_steps", str(sync_steps),
                            "--fault_tolerance.num_fragments", str(fragments), "--debug.seed", "4")]
