@@ -61,3 +61,10 @@ def test_context_parallel_seq_len_rule_follows_the_load_balancer():
     with pytest.raises(ParallelismError, match=r"seq_len=65 must be divisible by 2 \(tp=1 for "
                                                r"sequence parallel, cp=2 for context parallel\)"):
         contiguous.validate_for_model(n_heads=4, n_kv_heads=4, n_layers=2, seq_len=65)
+
+
+def test_repr_is_the_layout_string_checkpoints_key_rng_states_by():
+    # checkpoints written before cp_load_balance existed must keep matching
+    assert repr(_dims(8, context_parallel_degree=2, tensor_parallel_degree=2)) == (
+        "ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, ep=1, etp=1, world_size=8)"
+    )

@@ -26,7 +26,8 @@ class ParallelDims:
     ep: int
     etp: int
     world_size: int
-    cp_load_balance: bool = True
+    # not in the repr: checkpoints key their per-rank RNG states by repr(parallel_dims)
+    cp_load_balance: bool = field(default=True, repr=False)
     """Head-tail load balancing of context parallel (sequence chunks of seq_len / (2 * cp))."""
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     world_mesh: DeviceMesh | None = field(default=None, repr=False)
