@@ -162,13 +162,21 @@ class Trainer(Stateful):
         n_layers = run.model_args.n_layers
         units = model_units(self.model_parts, stages, n_layers)
         return self.ft.wrap_optimizer_step(
-            self.model_parts, lambda: optimizer_step(run), units, n_layers
+            self.model_parts, lambda: optimizer_step(run), units, n_layers,
+            after_sync=self._weights_replaced,
         )
+
+    def _weights_replaced(self) -> None:
+        # The weights changed outside the optimizer (a semi-sync step's sync, a peer's live
+        # state): what the converters derive from them after each step (float8's precomputed
+        # FSDP all-gather scales) must follow, or the next forward casts with stale scales.
+        self.run.converters.post_optimizer_hook(self.model_parts)
 
     def _peer_state_loaded(self) -> None:
         # The dataloader now holds the peer's stream position, which only a new iterator
         # follows (a semi-synchronous group heals inside its optimizer step, mid-loop).
         self._data_iterator_stale = True
+        self._weights_replaced()
 
     # --- one step ------------------------------------------------------------------------
     def next_batch(self, data_iterator: Iterator) -> tuple[torch.Tensor, torch.Tensor]:

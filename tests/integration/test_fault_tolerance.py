@@ -379,24 +379,30 @@ def _saved_data_position(step_dir: Path) -> int:
     return pickle.loads(state["dataloader"]["data_stream"])["position"]
 
 
+FLOAT8 = ["--model.converters", "float8", "--float8.emulate",
+          "--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
+
+
 @pytest.mark.parametrize(
-    ("sync_steps", "fragments", "saved_at", "moe"),
-    [(3, 1, 4, False), (4, 2, 3, False), (4, 2, 3, True)],
-    ids=["whole", "2_fragments", "moe_2_fragments"],
+    ("sync_steps", "fragments", "saved_at", "variant"),
+    [(3, 1, 4, ""), (4, 2, 3, ""), (4, 2, 3, "moe"), (2, 1, 2, "float8")],
+    ids=["whole", "2_fragments", "moe_2_fragments", "float8_at_a_sync"],
 )
 def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
                                                                request, sync_steps, fragments,
-                                                               saved_at, moe):
+                                                               saved_at, variant):
     """One replica group, DiLoCo, restarted from a checkpoint taken between two syncs: the
     steps after it (syncs included) are bit for bit those of the uninterrupted run. The
     interval position, each fragment's parameters of its last sync and the outer momentum are
     in the checkpoint; without them the sync moves, or the pseudo-gradient is measured from
     the weights of the checkpoint (or of the random init: the groups use another seed than
     the seed checkpoint's). With MoE, the routing biases' last-sync values too (the checksum
-    counts the biases)."""
+    counts the biases). With float8's precomputed FSDP scales, saved right after a sync: the
+    sync changes the weights after the step's scales were computed, so they are computed again
+    (else the uninterrupted run's next step cast with stale scales: its loss was 3e-4 off)."""
     env = _env(cpu_env, 2, lighthouse_min1)
-    seed_checkpoint = request.getfixturevalue("moe_seed" if moe else "seed_checkpoint")
-    model = MOE if moe else []
+    seed_checkpoint = request.getfixturevalue("moe_seed" if variant == "moe" else "seed_checkpoint")
+    model = {"moe": MOE, "float8": FLOAT8}.get(variant, [])
     flags = [*_group_flags(tmp_path / "out", 0, 7, seed_checkpoint, *model,
                            "--fault_tolerance.group_size",
                            "1", "--fault_tolerance.semi_sync_method", "diloco",

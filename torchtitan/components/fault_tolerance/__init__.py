@@ -268,19 +268,19 @@ class FaultTolerance:
     # --- semi-synchronous -----------------------------------------------------------------
     def wrap_optimizer_step(
         self, model_parts: list[nn.Module], step_fn: Callable[[], Any], all_units: list[str],
-        n_layers: int,
+        n_layers: int, after_sync: Callable[[], None] | None = None,
     ) -> Callable[[], Any]:
         """LocalSGD / DiLoCo: ``step_fn`` (the optimizer step) wrapped so that every
         ``sync_steps`` steps the groups synchronise through torchft. ``all_units``: the whole
         model's units in order (``fragments.model_units``), from which DiLoCo's fragments are
-        cut."""
+        cut. ``after_sync`` runs after a step whose sync changed the weights."""
         from torchtitan.components.fault_tolerance.fragments import fragment_units
         from torchtitan.components.fault_tolerance.semi_sync import SemiSync
 
         units = fragment_units(
             self.cfg.num_fragments, self.cfg.module_fqns_per_model_fragment, all_units, n_layers
         )
-        self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn, units)
+        self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn, units, after_sync)
         return self._semi.step
 
     def semi_sync_state_dict(self) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class SemiSync:
     def __init__(
         self, manager: Any, cfg: FTConfig, model_parts: list[nn.Module],
         step_fn: Callable[[], Any], units_per_fragment: list[list[str]],
+        after_sync: Callable[[], None] | None = None,
     ) -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
@@ -75,6 +76,7 @@ class SemiSync:
             if (p.requires_grad or name.startswith(f"{ROUTING_BIASES}.")) and name != PLACEHOLDER
         ]
         self._hooked = _HookedStep(params, step_fn)
+        self._after_sync = after_sync
         self._cfg = cfg
         self._restored = False
         self.outers: list[torch.optim.SGD] = []
@@ -105,7 +107,12 @@ class SemiSync:
         )
 
     def step(self) -> Any:
+        """The optimizer step, then (every ``sync_steps / num_fragments`` steps) the sync that
+        torchft runs in the step's post-hook; ``after_sync`` follows a sync (torchft restarts
+        its step count there), e.g. to recompute float8 scales of the new weights."""
         self._hooked.step()
+        if self._after_sync is not None and self.algorithm._local_step == 0:
+            self._after_sync()
         return self._hooked.result
 
     def close(self) -> None:
