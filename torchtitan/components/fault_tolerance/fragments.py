@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from torchtitan.distributed.pipeline.planning import (
+from torchtitan.distributed.pipeline.stage_fqns import (
     generate_fqns_per_stage,
     group_units,
     units_of,

@@ -6,14 +6,12 @@ from torchtitan.distributed.pipeline.evaluation import pipeline_forward_only
 from torchtitan.distributed.pipeline.planning import (
     SCHEDULES,
     PipelineLayout,
-    generate_fqns_per_stage,
     get_schedule_class,
     pipeline_module_split,
     read_csv_stage_placement,
     resolve_pipeline_layout,
     split_model_part,
     stage_ids_this_rank,
-    validate_fqns_per_stage,
 )
 from torchtitan.distributed.pipeline.runner import Pipeline, pipeline_step
 from torchtitan.distributed.pipeline.schedules import (
@@ -22,6 +20,10 @@ from torchtitan.distributed.pipeline.schedules import (
     check_microbatches,
     check_pipeline_composition,
     n_microbatches_for,
+)
+from torchtitan.distributed.pipeline.stage_fqns import (
+    generate_fqns_per_stage,
+    validate_fqns_per_stage,
 )
 
 __all__ = [
