@@ -416,11 +416,24 @@ def test_bad_split_points_name_the_point(points, message):
         resolve_pipeline_layout(cfg, _meta_model(4), 4, pp_rank=0)
 
 
-def test_split_points_and_explicit_fqns_are_not_both_set():
-    cfg = _pp_cfg(2, "1F1B", pipeline_parallel_split_points=["layers.2"],
-                  module_fqns_per_model_part=[["tok_embeddings"], ["norm"]])
-    with pytest.raises(ValueError, match="both cut the pipeline stages; set one of them"):
-        resolve_pipeline_layout(cfg, _meta_model(4), 4, pp_rank=0)
+@pytest.mark.parametrize(
+    ("kw", "names"),
+    [
+        (dict(pipeline_parallel_split_points=["layers.2"],
+              module_fqns_per_model_part=[["tok_embeddings"], ["norm"]]),
+         "module_fqns_per_model_part and pipeline_parallel_split_points"),
+        (dict(pipeline_parallel_layers_per_stage=2,
+              module_fqns_per_model_part=[["tok_embeddings"], ["norm"]]),
+         "module_fqns_per_model_part and pipeline_parallel_layers_per_stage"),
+        (dict(pipeline_parallel_layers_per_stage=2, pipeline_parallel_split_points=["layers.2"]),
+         "pipeline_parallel_split_points and pipeline_parallel_layers_per_stage"),
+    ],
+)
+def test_only_one_way_to_cut_stages(kw, names):
+    # (one of them used to win silently)
+    with pytest.raises(ValueError, match=f"parallelism.{names} both cut the pipeline stages; "
+                                         "set one of them"):
+        resolve_pipeline_layout(_pp_cfg(2, "1F1B", **kw), _meta_model(4), 4, pp_rank=0)
 
 
 def test_split_points_stage_count_must_suit_the_schedule():

@@ -210,10 +210,13 @@ def resolve_pipeline_layout(
 
     fqns = cfg.module_fqns_per_model_part
     split_points = cfg.pipeline_parallel_split_points
-    if fqns and split_points:
+    cuts = [name for name, value in (("module_fqns_per_model_part", fqns),
+                                     ("pipeline_parallel_split_points", split_points),
+                                     ("pipeline_parallel_layers_per_stage", lps))
+            if value not in (None, [])]
+    if len(cuts) > 1:
         raise ValueError(
-            "parallelism.pipeline_parallel_split_points and module_fqns_per_model_part both cut "
-            "the pipeline stages; set one of them"
+            f"parallelism.{cuts[0]} and {cuts[1]} both cut the pipeline stages; set one of them"
         )
     if split_points:
         fqns = fqns_from_split_points(
