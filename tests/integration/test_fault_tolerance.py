@@ -148,17 +148,21 @@ def _group_flags(dump: Path, replica: int, steps: int, seed: Path, *extra: str) 
     ]
 
 
-@pytest.fixture(scope="module")
-def seed_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ft_seed")
+def _write_seed(root: Path, *model: str) -> Path:
+    """A seed checkpoint of the model (``ARGS`` plus ``model``) under ``root``, by one rank."""
     env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "COMM_MODE")}
     env.update(CUDA_VISIBLE_DEVICES="", NGPU="1")
     subprocess.run(
-        ["./run_train.sh", *ARGS, "--job.dump_folder", str(root), "--checkpoint.enable",
+        ["./run_train.sh", *ARGS, *model, "--job.dump_folder", str(root), "--checkpoint.enable",
          "--checkpoint.create_seed_checkpoint"],
         cwd=REPO_ROOT, env=env, check=True, capture_output=True,
     )
     return root / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(tmp_path_factory) -> Path:
+    return _write_seed(tmp_path_factory.mktemp("ft_seed"))
 
 
 @pytest.fixture(scope="module")
@@ -285,15 +289,7 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 @pytest.fixture(scope="module")
 def moe_seed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ft_moe_seed")
-    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "COMM_MODE")}
-    env.update(CUDA_VISIBLE_DEVICES="", NGPU="1")
-    subprocess.run(
-        ["./run_train.sh", *ARGS, *MOE, "--job.dump_folder", str(root), "--checkpoint.enable",
-         "--checkpoint.create_seed_checkpoint"],
-        cwd=REPO_ROOT, env=env, check=True, capture_output=True,
-    )
-    return root / "checkpoint" / "step-0"
+    return _write_seed(tmp_path_factory.mktemp("ft_moe_seed"), *MOE)
 
 
 def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_env, lighthouse,

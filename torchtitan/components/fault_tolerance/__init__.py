@@ -215,15 +215,17 @@ class FaultTolerance:
 
     def figures(self, model_parts: list[nn.Module]) -> dict[str, float]:
         """Logged with each step: the groups in the quorum, and a checksum of the weights and
-        MoE routing biases (float64 sum of every rank's local shards over this group) that must be equal across
+        MoE routing biases (float64 sum of every rank's local shards over this group) that must
+        be equal across
         groups: replicas that drifted apart show it at once. With DiLoCo fragments, one
         checksum per fragment too (a fragment is equal across groups right after its sync)."""
         import torch.distributed as dist
 
+        from torchtitan.components.fault_tolerance.fragments import routing_biases
+
         groups = [[
             *(p for part in model_parts for p in part.parameters()),
-            *(b for part in model_parts for n, b in part.named_buffers()
-              if n.rsplit(".", 1)[-1] == "expert_bias"),
+            *(b for part in model_parts for _, b in routing_biases(part)),
         ]]
         fragments = self._semi.fragments if self.semi_sync else []
         if len(fragments) > 1:

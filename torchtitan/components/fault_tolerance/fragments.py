@@ -31,7 +31,14 @@ from torchtitan.distributed.pipeline.stage_fqns import (
     units_of,
 )
 
-__all__ = ["PLACEHOLDER", "ROUTING_BIASES", "build_fragments", "fragment_units", "model_units"]
+__all__ = [
+    "PLACEHOLDER",
+    "ROUTING_BIASES",
+    "build_fragments",
+    "fragment_units",
+    "model_units",
+    "routing_biases",
+]
 
 PLACEHOLDER = "empty_fragment_placeholder"
 ROUTING_BIASES = "routing_biases"
@@ -73,11 +80,17 @@ def fragment_units(
     return group_units(all_units, fqns_per_fragment, _KEY, "fragment")
 
 
+def routing_biases(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of the MoE load-balancing biases (``expert_bias``) in ``module``."""
+    return [(n, b) for n, b in module.named_buffers() if n.rsplit(".", 1)[-1] == "expert_bias"]
+
+
 def build_fragments(
     model_parts: Sequence[nn.Module], units_per_fragment: Sequence[Sequence[str]]
 ) -> list[nn.Module]:
     """One module per fragment holding this rank's units of it by their model names (a zero
-    placeholder parameter where it holds none) and their MoE routing biases. Raises ValueError when two fragments share a
+    placeholder parameter where it holds none) and their MoE routing biases. Raises ValueError
+    when two fragments share a
     parameter (tied weights)."""
     local = {unit: part.get_submodule(unit) for part in model_parts for unit in units_of(part)}
     fragments = []
@@ -88,11 +101,10 @@ def build_fragments(
         for unit in units:
             if unit in local:
                 _add(root, unit, local[unit])
-                for name, buf in local[unit].named_buffers():
-                    if name.rsplit(".", 1)[-1] == "expert_bias":
-                        alias = f"b{len(biases.fqns)}"
-                        biases.register_parameter(alias, nn.Parameter(buf, requires_grad=False))
-                        biases.fqns[alias] = f"{unit}.{name}"
+                for name, buf in routing_biases(local[unit]):
+                    alias = f"b{len(biases.fqns)}"
+                    biases.register_parameter(alias, nn.Parameter(buf, requires_grad=False))
+                    biases.fqns[alias] = f"{unit}.{name}"
         if biases.fqns:
             root.add_module(ROUTING_BIASES, biases)
         if not any(True for _ in root.parameters()):
