@@ -139,13 +139,26 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
 
 
 def check_expert_parallel(cfg: JobConfig, parallel_dims: ParallelDims, model: Any) -> None:
-    """Expert parallel needs a model with experts (``model`` may be on ``meta``)."""
-    if parallel_dims.ep_enabled and not moe_layers([model]):
-        raise ParallelismError(
-            f"parallelism.expert_parallel_degree={parallel_dims.ep} needs a mixture-of-"
-            f"experts model; {cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
-            "--model.name qwen3 --model.flavor debugmodel_moe)"
-        )
+    """Expert parallel and expert TP need a model with experts whose count and hidden dims
+    they divide (``model`` may be on ``meta``)."""
+    from torchtitan.distributed.expert_parallel import check_expert_shapes
+
+    layers = moe_layers([model])
+    for on, flag, degree in (
+        (parallel_dims.ep_enabled, "expert_parallel_degree", parallel_dims.ep),
+        (parallel_dims.etp_enabled, "expert_tensor_parallel_degree", parallel_dims.etp),
+    ):
+        if on and not layers:
+            raise ParallelismError(
+                f"parallelism.{flag}={degree} needs a mixture-of-experts model; "
+                f"{cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
+                "--model.name qwen3 --model.flavor debugmodel_moe)"
+            )
+    for layer in layers:
+        try:
+            check_expert_shapes(layer, parallel_dims.ep, parallel_dims.etp)
+        except ValueError as err:
+            raise ParallelismError(str(err)) from None
 
 
 def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:

@@ -7,11 +7,14 @@ them), EP2 x FSDP4 vs FSDP4 (experts also FSDP-sharded over the 2 remaining rank
 EP2 x TP2 x FSDP2 and EP2 x PP2 x FSDP2 vs FSDP2 (dp 2 in all three), EP2 x HSDP (dp_replicate 2 x
 dp_shard 2) vs HSDP 2x2, and EP with context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes
 the cp ranks), EP4 x CP2 x FSDP2 (ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the
-other cp ranks). Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP layouts;
+other cp ranks). Expert tensor parallel (experts' hidden dims split over tp): EP2 x TP2 x
+FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global batch) vs FSDP2. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP layouts;
 clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see NORM_TOL):
 the all-to-all moves tokens exactly and only the order of fp32 sums changes; an expert gradient
-off by the ep factor moves the grad norm by 1e-3 and the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4 and at
-one device. A layer-level test sends no tokens from one rank to the other rank's experts.
+off by the ep factor moves the grad norm by 1e-3 and the loss by 2e-5 from step 3. A checkpoint
+saved at EP2 x FSDP2 resumes at FSDP4, at EP2 x TP2 x ETP2 and at one device. Layer-level tests
+send no tokens from one rank to the other rank's experts, and check expert TP's output and
+every gradient shard against the whole layer.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _ep(n: int) -> list[str]:
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+ETP2 = ["--parallelism.expert_tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 REP2 = ["--parallelism.data_parallel_replicate_degree", "2"]
 FIVE_STEPS = ["--training.steps", "5"]  # the HSDP / CP layouts and their references
@@ -75,6 +79,8 @@ FOUR_RANKS = {
     "fsdp4": [*_dp(4), "--training.local_batch_size", "2"],
     "ep2_fsdp4": [*_dp(4), *_ep(2), "--training.local_batch_size", "2"],
     "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],
+    "ep2_tp2_etp2": [*_dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
+    "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, "--training.local_batch_size", "8"],  # no EP
     "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
     "hsdp2x2": HSDP2x2,
     "ep2_hsdp2x2": [*HSDP2x2, *_ep(2)],  # experts: HSDP over (dp_replicate 2, dp_shard_mod_ep 1)
@@ -92,6 +98,8 @@ PAIRS = [
     ("ep2_fsdp4", "fsdp4"),
     ("ep2_tp2", "fsdp2"),  # dp 2 in both: the same data
     ("ep2_pp2", "fsdp2"),
+    ("ep2_tp2_etp2", "fsdp2"),
+    ("etp2_pp2", "fsdp2"),  # dp 1 vs 2, one global batch
     ("ep2_hsdp2x2", "hsdp2x2"),
     ("ep2_cp2_fsdp2", "cp2_fsdp2"),
     ("ep4_cp2_fsdp2", "cp2_fsdp2"),
@@ -123,7 +131,8 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
         (2, TWO_RANKS, [], {"saved": save, "real": real,
                             "real_resumed": [*real, "--checkpoint.load_step", "2"]}),
         (4, FOUR_RANKS, [], {"resumed_fsdp4": resume_args(
-            saved, 2, *MOE, *_dp(4), "--training.local_batch_size", "2")}),
+            saved, 2, *MOE, *_dp(4), "--training.local_batch_size", "2"),
+            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(2), *ETP2)}),
         (1, {}, [], {"resumed_one": resume_args(saved, 2, *MOE)}),
     ):
         argvs = first + [
@@ -155,7 +164,7 @@ def test_expert_parallel_matches_the_layout_without_it(ep_layout, reference, run
             )
 
 
-@pytest.mark.parametrize("resumed", ["resumed_fsdp4", "resumed_one"])
+@pytest.mark.parametrize("resumed", ["resumed_fsdp4", "resumed_etp", "resumed_one"])
 def test_ep_checkpoint_resumes_under_another_layout(resumed, runs):
     uninterrupted = runs["ep2_fsdp2"][0]
     torch.testing.assert_close(runs["saved"][0]["loss"], uninterrupted["loss"][:2], **TOL)
@@ -215,6 +224,64 @@ def test_all_to_all_dispatch_with_zero_token_splits():
     assert results[0].pop("sent_to_rank1") == 0.0  # rank 0 routed nothing to rank 1's experts
     results[1].pop("sent_to_rank1")
     for rank, errors in enumerate(results):
+        assert max(errors.values()) < 1e-5, f"rank {rank}: {errors}"
+
+
+def expert_tp_vs_local_experts() -> dict[str, float]:
+    """One MoE layer with a shared expert at EP2 x TP2 with expert TP (4 ranks): the experts'
+    and shared expert's hidden dims are split over tp. The TP peers see the same tokens (the
+    TP-gathered sequence). Output and gradients vs the whole layer on this rank's tokens."""
+    import copy
+
+    import torch.distributed as dist
+
+    from torchtitan.distributed.expert_parallel import apply_expert_parallel, expert_grad_scaler
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.common.moe import MoE, MoEArgs
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=2, etp=2, world_size=4)
+    dims.build_mesh("cpu")
+    ep, tp = dims.mesh_local_rank("ep"), dims.mesh_local_rank("tp")
+    torch.manual_seed(0)
+    ref = MoE(MoEArgs(num_experts=8, top_k=2, num_shared_experts=1), dim=16, hidden_dim=24)
+    ref.init_weights(0.05)
+    holder = torch.nn.Module()
+    holder.moe = copy.deepcopy(ref)
+    apply_expert_parallel(holder, dims)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(ep))
+    x_ref, x_etp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, out_etp = ref(x_ref), holder.moe(x_etp)
+    out_ref.pow(2).sum().backward()
+    out_etp.pow(2).sum().backward()
+    expert_grad_scaler([holder], 2)()
+    experts, shared = holder.moe.experts, holder.moe.shared_experts
+    shapes_ok = (tuple(experts.w1.to_local().shape) == (4, 12, 16)
+                 and tuple(experts.w2.to_local().shape) == (4, 16, 12)
+                 and tuple(shared.w1.weight.to_local().shape) == (12, 16)
+                 and tuple(shared.w2.weight.to_local().shape) == (16, 12))
+    # the reference expert gradient: both ep ranks' tokens (each counted by its 2 TP peers in
+    # the world sum), averaged over the 2 ep ranks as FSDP and the scaler do
+    for w in (ref.experts.w1, ref.experts.w2):
+        dist.all_reduce(w.grad)
+        w.grad /= 4
+    rows, cols = slice(4 * ep, 4 * ep + 4), slice(12 * tp, 12 * tp + 12)
+    return {
+        "out": (out_etp - out_ref).abs().max().item(),
+        "input_grad": (x_etp.grad - x_ref.grad).abs().max().item(),
+        "router_grad": (holder.moe.router.gate.weight.grad - ref.router.gate.weight.grad)
+        .abs().max().item(),
+        "w1_grad": (experts.w1.grad.to_local() - ref.experts.w1.grad[rows, cols]).abs().max().item(),
+        "w2_grad": (experts.w2.grad.to_local() - ref.experts.w2.grad[rows, :, cols]).abs().max().item(),
+        "shared_w1_grad": (shared.w1.weight.grad.to_local() - ref.shared_experts.w1.weight.grad[cols])
+        .abs().max().item(),
+        "shared_w2_grad": (shared.w2.weight.grad.to_local()
+                           - ref.shared_experts.w2.weight.grad[:, cols]).abs().max().item(),
+        "shapes_wrong": float(not shapes_ok),
+    }
+
+
+def test_expert_tensor_parallel_splits_hidden_dims_and_equals_the_whole_layer():
+    for rank, errors in enumerate(launch(expert_tp_vs_local_experts, 4)):
         assert max(errors.values()) < 1e-5, f"rank {rank}: {errors}"
 
 

@@ -150,8 +150,10 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
          r"expert_parallel_degree=8 must divide data_parallel_shard_degree\*context_parallel_"
          r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the FSDP shard and "
          r"context-parallel dimensions\)$"),
-        (dict(expert_parallel_degree=2, expert_tensor_parallel_degree=2,
-              tensor_parallel_degree=2), 4, r"experts are not tensor-parallel here"),
+        (dict(expert_tensor_parallel_degree=2, tensor_parallel_degree=4), 4,
+         r"^parallelism.expert_tensor_parallel_degree=2 must be 1 \(each expert whole on every "
+         r"TP rank\) or equal parallelism.tensor_parallel_degree=4 \(the experts' hidden "
+         r"dimension split over the TP ranks\)$"),
     ],
 )
 def test_expert_parallel_layout_errors(degrees, world, needle):

@@ -68,3 +68,28 @@ def test_repr_is_the_layout_string_checkpoints_key_rng_states_by():
     assert repr(_dims(8, context_parallel_degree=2, tensor_parallel_degree=2)) == (
         "ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=1, ep=1, etp=1, world_size=8)"
     )
+
+
+def test_expert_checks_name_the_dim_the_degree_must_divide():
+    import torch
+
+    from torchtitan.build import check_expert_parallel
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.models.common.moe import MoE, MoEArgs
+
+    cfg = ConfigManager().parse_args(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"])
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.moe = MoE(MoEArgs(num_experts=6, num_shared_experts=1), dim=16, hidden_dim=20)
+    etp8 = _dims(8, tensor_parallel_degree=8, expert_tensor_parallel_degree=8)
+    with pytest.raises(ParallelismError, match=r"^parallelism.expert_tensor_parallel_degree=8 must "
+                                               r"divide the model's expert hidden dim 20$"):
+        check_expert_parallel(cfg, etp8, model)
+    model.moe.experts.w1 = torch.nn.Parameter(torch.empty(6, 24, 16, device="meta"))
+    with pytest.raises(ParallelismError, match="divide the model's shared expert hidden dim 20$"):
+        check_expert_parallel(cfg, etp8, model)
+    check_expert_parallel(cfg, _dims(4, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
+                          model)
+    with pytest.raises(ParallelismError, match=r"expert_parallel_degree=4 must divide the model's "
+                                               r"num_experts=6$"):
+        check_expert_parallel(cfg, _dims(4, expert_parallel_degree=4), model)

@@ -48,8 +48,12 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],
-         "expert_tensor_parallel_degree=2: experts are not tensor-parallel here (each expert "
-         "stays whole"),
+         "expert_tensor_parallel_degree=2 must be 1 (each expert whole on every TP rank) or "
+         "equal parallelism.tensor_parallel_degree=1"),
+        (["--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+          "2", "--world_size", "2"],
+         "expert_tensor_parallel_degree=2 needs a mixture-of-experts model; llama3 debugmodel "
+         "has no experts"),
         (["--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2"],
          "cannot split a model with tied input/output embeddings"),
         (["--parallelism.tensor_parallel_degree", "3", "--world_size", "8"], "world size 8"),

@@ -136,8 +136,65 @@ def expert_dispatch_policy(cls: type[ExpertDispatch]) -> Iterator[None]:
         _dispatch_cls = previous
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the input gradient over the TP ranks (each rank's is
+    only its hidden-dim shard's share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce_sum(grad.contiguous(), ctx.group_name), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward sums the partial outputs of the TP ranks; backward passes the (equal on every
+    rank) gradient through."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return _all_reduce_sum(x.contiguous(), group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(t, "sum", group_name))
+
+
+class ExpertTensorParallel:
+    """Experts' hidden dimension split over the TP ranks (forward hooks on ``experts``).
+
+    MoE layers see the TP-gathered sequence and route it alike on every TP rank; each rank
+    runs its ``w1``/``w3`` columns and ``w2`` rows on the routed tokens and the partial
+    outputs are summed over TP (Megatron's copy / reduce pair around an MLP)."""
+
+    def __init__(self, tp_mesh: DeviceMesh):
+        self.group_name = tp_mesh.get_group().group_name
+
+    def enter(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, counts = args
+        return _CopyToTensorParallel.apply(tokens, self.group_name), counts
+
+    def exit(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromTensorParallel.apply(output, self.group_name)
+
+
+# dim of each expert weight that expert TP splits: the hidden dim (w1, w3: [E, H, D];
+# w2: [E, D, H]), so w1/w3 are column- and w2 row-parallel per expert
+_HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
 def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
-    """Shard every MoE layer's experts over the ``ep`` mesh and install token dispatch.
+    """Shard every MoE layer's experts: the expert dim over ``ep`` (with all-to-all token
+    dispatch) and, with expert tensor parallel, the hidden dim over ``tp`` (shared experts
+    too, column / row-wise).
 
     Works on a meta-device model; returns the number of MoE layers changed.
     """
@@ -146,30 +203,82 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     from torchtitan.models.common.moe import moe_layers
 
     ep_mesh = parallel_dims.get_mesh("ep")
+    tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.etp_enabled else None
+    mesh = parallel_dims.get_mesh("ep_etp") if tp_mesh is not None else ep_mesh
     layers = moe_layers([model])
-    if ep_mesh is None or not layers:
+    if mesh is None or not layers:
         return 0
     for layer in layers:
-        n_experts = layer.args.num_experts
-        if n_experts % ep_mesh.size():
-            raise ValueError(
-                f"parallelism.expert_parallel_degree={ep_mesh.size()} must divide the model's "
-                f"num_experts={n_experts}"
-            )
+        check_expert_shapes(layer, ep_mesh.size() if ep_mesh else 1,
+                            tp_mesh.size() if tp_mesh else 1)
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            placements = [Shard(0)] if ep_mesh is not None else []
+            placements += [Shard(_HIDDEN_DIM[name])] if tp_mesh is not None else []
+            sharded = distribute_tensor(param.data, mesh, placements)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        dispatch = _dispatch_cls(ep_mesh)
-        experts.ep_dispatch = dispatch
-        experts.register_forward_pre_hook(dispatch.dispatch)
-        experts.register_forward_hook(dispatch.combine)
-    logger.info(
-        f"Applied expert parallel to {len(layers)} MoE layer(s) (ep={ep_mesh.size()}: "
-        f"{layers[0].args.num_experts // ep_mesh.size()} experts per rank, all-to-all dispatch"
-        f"{', balanced routing assumed' if _dispatch_cls is not ExpertDispatch else ''})"
-    )
+        # pre-hooks run in registration order (dispatch, then TP), forward hooks too (TP
+        # sum, then combine): the TP region sits inside the dispatch / combine pair
+        if ep_mesh is not None:
+            dispatch = _dispatch_cls(ep_mesh)
+            experts.ep_dispatch = dispatch
+            experts.register_forward_pre_hook(dispatch.dispatch)
+        if tp_mesh is not None:
+            etp = ExpertTensorParallel(tp_mesh)
+            experts.register_forward_pre_hook(etp.enter)
+            experts.register_forward_hook(etp.exit)
+            if layer.shared_experts is not None:
+                _shard_shared_experts(layer.shared_experts, tp_mesh)
+        if ep_mesh is not None:
+            experts.register_forward_hook(dispatch.combine)
+    per_rank = layers[0].args.num_experts // (ep_mesh.size() if ep_mesh else 1)
+    what = []
+    if ep_mesh is not None:
+        what.append(
+            f"ep={ep_mesh.size()}: {per_rank} experts per rank, all-to-all dispatch"
+            f"{', balanced routing assumed' if _dispatch_cls is not ExpertDispatch else ''}"
+        )
+    if tp_mesh is not None:
+        what.append(f"etp={tp_mesh.size()}: expert hidden dims split over tp")
+    logger.info(f"Applied expert parallel to {len(layers)} MoE layer(s) ({'; '.join(what)})")
     return len(layers)
+
+
+def check_expert_shapes(layer: nn.Module, ep: int, etp: int) -> None:
+    """ValueError (one line) when ``ep`` does not divide the experts or ``etp`` their hidden
+    dims (routed and shared)."""
+    n_experts = layer.args.num_experts
+    if n_experts % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} must divide the model's "
+            f"num_experts={n_experts}"
+        )
+    hidden = {"expert": layer.experts.w1.shape[1]}
+    if layer.shared_experts is not None:
+        hidden["shared expert"] = layer.shared_experts.w1.weight.shape[0]
+    for what, size in hidden.items():
+        if size % etp:
+            raise ValueError(
+                f"parallelism.expert_tensor_parallel_degree={etp} must divide the model's "
+                f"{what} hidden dim {size}"
+            )
+
+
+def _shard_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    # the MoE input is the plain, TP-gathered sequence: column-wise w1/w3 take it as
+    # Replicate, row-wise w2 sums back to a plain replicated output
+    parallelize_module(shared, tp_mesh, {
+        "w1": ColwiseParallel(),
+        "w3": ColwiseParallel(),
+        "w2": RowwiseParallel(output_layouts=Replicate()),
+    })
 
 
 def expert_fsdp_units(model: nn.Module) -> list[nn.Module]:

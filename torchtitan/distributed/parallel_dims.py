@@ -97,12 +97,11 @@ class ParallelDims:
                     "(expert-parallel ranks are borrowed from the FSDP shard"
                     + (" and context-parallel dimensions)" if self.cp > 1 else " dimension)")
                 )
-        if self.etp > 1:
+        if self.etp not in (1, self.tp):
             raise ParallelismError(
-                f"parallelism.expert_tensor_parallel_degree={self.etp}: experts are not "
-                "tensor-parallel here (each expert stays whole on its expert-parallel rank, FSDP "
-                "shards it only for storage, and MoE layers run on the TP-gathered sequence); "
-                "set it to 1"
+                f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (each expert "
+                "whole on every TP rank) or equal parallelism.tensor_parallel_degree="
+                f"{self.tp} (the experts' hidden dimension split over the TP ranks)"
             )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
@@ -170,6 +169,11 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def etp_enabled(self) -> bool:
+        """Experts' hidden dimension split over the TP ranks (expert tensor parallel)."""
+        return self.etp > 1
+
+    @property
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled
 
@@ -225,6 +229,12 @@ class ParallelDims:
             )
             self._meshes["ep"] = expert_mesh["ep"]
             self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
+        if self.etp > 1:
+            # expert weights are DTensors on (ep, tp): experts over ep, hidden dim over tp
+            parts = [self._meshes[n] for n in ("ep", "tp") if n in self._meshes]
+            self._meshes["ep_etp"] = (
+                DeviceMesh._concatenate(parts) if len(parts) > 1 else parts[0]
+            )
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh | None:

@@ -30,7 +30,7 @@ def parallelize_llama(
 ) -> nn.Module:
     """Parallelize ``model`` in place per ``parallel_dims`` and ``job_config``; returns it.
 
-    Order: tensor parallel (+ async TP), expert parallel (MoE layers), activation
+    Order: tensor parallel (+ async TP), expert parallel / expert TP (MoE layers), activation
     checkpointing, per-block compile, then
     FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1. Families with other
     block layouts pass their own ``apply_tp_fn(model, tp_mesh, loss_parallel=...)``.
@@ -51,7 +51,7 @@ def parallelize_llama(
             apply_tp(model, tp_mesh, loss_parallel, enable_float8_tensorwise_tp=float8_tp)
         else:  # other families' plans: float8 layers all-gather in high precision
             apply_tp_fn(model, tp_mesh, loss_parallel=loss_parallel)
-    if parallel_dims.ep_enabled:
+    if parallel_dims.ep_enabled or parallel_dims.etp_enabled:
         apply_expert_parallel(model, parallel_dims)
 
     apply_ac(model, job_config.activation_checkpoint)
