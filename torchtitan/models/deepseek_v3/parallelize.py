@@ -6,8 +6,9 @@ Tensor parallel (sequence parallel between blocks, as for Llama): MLA shards hea
 and their norms run replicated on every TP rank: their gradients come out whole and equal on
 each rank, since the column-wise layers all-reduce their input gradients and so does
 :class:`SumGradientOverTP` for the rope key ``k_pe`` that all heads share; dense FFNs shard as
-Llama's. MoE layers run replicated on the gathered sequence (no expert TP; the experts are
-sharded by FSDP like any parameter, or by expert parallelism when it is on).
+Llama's. MoE layers run on the gathered sequence, routed alike on every TP rank; their experts
+are whole on each TP rank or, with ``parallelism.expert_tensor_parallel_degree`` = tp, split
+over it by hidden dim (torchtitan/distributed/expert_parallel.py, applied after this plan).
 
 Everything here works on a ``meta``-device model; the trainer then calls
 ``model.to_empty(device=...)`` and ``model.init_weights(buffer_device=...)``.
@@ -98,14 +99,15 @@ def apply_tp_deepseekv3(
             parallelize_module(block, tp_mesh, block_tp_plan(block))
     logger.info(
         f"Applied tensor parallel to DeepSeek-V3 (degree {tp_mesh.size()}, MLA heads and dense "
-        "FFNs sharded, MoE layers replicated)"
+        "FFNs sharded, MoE layers on the gathered sequence)"
     )
     return model
 
 
 def check_deepseekv3_tp(model: nn.Module, tp: int) -> None:
     """One line when the dense FFN width is not divisible by the TP degree (heads are checked
-    by ``ParallelDims.validate_for_model``; MoE layers are not TP-sharded)."""
+    by ``ParallelDims.validate_for_model``; expert hidden dims by
+    ``build.check_expert_parallel``)."""
     args = model.model_args
     if args.n_dense_layers > 0 and args.inter_dim % tp:
         raise ParallelismError(

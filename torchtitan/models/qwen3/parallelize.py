@@ -7,9 +7,10 @@ tensor-parallel plan:
   local heads with their weight replicated (``SequenceParallel`` over the head dimension), so
   their gradient is summed over the TP ranks and the result equals one device;
 * dense feed-forward: ``w1/w3`` column-wise, ``w2`` row-wise, as in Llama;
-* MoE feed-forward: not tensor-parallel (expert parallelism is planned). Each TP rank gathers the
-  sequence, runs the whole MoE layer on it with the same weights and keeps its sequence shard;
-  router and experts are sharded by FSDP like every other parameter.
+* MoE feed-forward: each TP rank gathers the sequence, routes it alike and keeps its sequence
+  shard of the output. The experts run whole on every TP rank, or, with
+  ``parallelism.expert_tensor_parallel_degree`` = tp, with their hidden dims split over the TP
+  ranks (torchtitan/distributed/expert_parallel.py, applied after this plan).
 
 Everything here works on a ``meta``-device model.
 """
@@ -75,7 +76,8 @@ def qwen3_block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
 
 def check_qwen3_tp(model: nn.Module, tp: int) -> None:
     """One line when the dense feed-forward width is not divisible by the TP degree (heads
-    are checked by ``ParallelDims.validate_for_model``; MoE layers are not TP-sharded)."""
+    are checked by ``ParallelDims.validate_for_model``; expert hidden dims by
+    ``build.check_expert_parallel``)."""
     args = model.model_args
     has_dense = any(
         getattr(b, "feed_forward", None) is not None for b in model.layers.values()
@@ -97,7 +99,7 @@ def apply_qwen3_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = 
     logger.info(
         f"Applied tensor parallel to Qwen3 (degree {tp_mesh.size()}, sequence parallel, loss "
         f"parallel {'on' if loss_parallel else 'off'}"
-        + (f"; {n_moe} MoE layer(s) replicated over TP)" if n_moe else ")")
+        + (f"; {n_moe} MoE layer(s) on the TP-gathered sequence)" if n_moe else ")")
     )
     return model
 
