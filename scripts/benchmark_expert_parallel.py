@@ -2,12 +2,15 @@
 """Expert parallel degrees side by side on the MoE debug flavor: tokens/s and all-to-all volume.
 
   python scripts/benchmark_expert_parallel.py [--nproc 4] [--steps 5] [--warmup 2] [trainer flags]
+  python scripts/benchmark_expert_parallel.py --tp 2 --degrees 1,2   # expert TP 1 vs 2 as well
 
 Runs ``scripts/benchmark.py`` under torchrun on ``nproc`` ranks (FSDP over all of them) with
 ``expert_parallel_degree`` 1 (experts FSDP-sharded like dense weights: all-gathered whole on
 every rank), 2 and 4, one after another, and prints one JSON line per degree (tokens/s per
 rank, step time, peak memory, tokens sent to other ranks' experts per step and the
-all-to-all volume that implies) plus a summary with the ratios to EP 1.
+all-to-all volume that implies) plus a summary with the ratios to the first layout. With
+``--tp N`` the ranks are TP N x FSDP (nproc / N) and every EP degree runs twice: experts whole
+on each TP rank (``expert_tensor_parallel_degree`` 1) and split over tp (N).
 """
 
 from __future__ import annotations
@@ -27,19 +30,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--degrees", default="1,2,4")
+    p.add_argument("--tp", type=int, default=1)
     args, extra = p.parse_known_args(argv)
     base = [
         "--job.config_file", str(ROOT / "train_configs/qwen3_debugmodel_moe.toml"),
         "--training.local_batch_size", "4", "--training.seq_len", "512",
         "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1000",
-        "--parallelism.data_parallel_shard_degree", str(args.nproc),
+        "--parallelism.data_parallel_shard_degree", str(args.nproc // args.tp),
+        "--parallelism.tensor_parallel_degree", str(args.tp),
         *extra,
     ]
+    layouts = [(int(d), etp) for d in args.degrees.split(",")
+               for etp in sorted({1, args.tp})]
     rows = {}
-    for ep in (int(d) for d in args.degrees.split(",")):
-        per_rank = run_layout(args.nproc, [*base, "--parallelism.expert_parallel_degree", str(ep)], args)
-        rows[ep] = {
-            "ep": ep,
+    for ep, etp in layouts:
+        name = f"ep{ep}" + (f"_etp{etp}" if args.tp > 1 else "")
+        per_rank = run_layout(args.nproc, [*base, "--parallelism.expert_parallel_degree", str(ep),
+                                           "--parallelism.expert_tensor_parallel_degree", str(etp)],
+                              args)
+        rows[name] = {
+            "layout": name,
             "tokens_per_s_per_rank": round(sum(r["tokens_per_s"] for r in per_rank) / len(per_rank), 1),
             "step_s": max(r["step_s"] for r in per_rank),
             "peak_memory_gib_per_rank": max(r["peak_memory_gib"] for r in per_rank),
@@ -48,12 +58,13 @@ def main(argv: list[str] | None = None) -> int:
             "ep_all_to_all_mib_per_step_per_rank": round(
                 sum(r.get("ep_all_to_all_mib_per_step", 0.0) for r in per_rank) / len(per_rank), 2),
         }
-        print(json.dumps(rows[ep]), flush=True)
-    first = rows[min(rows)]
+        print(json.dumps(rows[name]), flush=True)
+    first_name = next(iter(rows))
+    first = rows[first_name]
     summary = {
-        f"ep{ep}_tokens_per_s_over_ep{min(rows)}": round(
+        f"{name}_tokens_per_s_over_{first_name}": round(
             row["tokens_per_s_per_rank"] / first["tokens_per_s_per_rank"], 3)
-        for ep, row in rows.items()
+        for name, row in rows.items()
     }
     print(json.dumps({"summary": summary}))
     return 0

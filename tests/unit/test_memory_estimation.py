@@ -150,3 +150,20 @@ def test_expert_parallel_counts_expert_shards():
     assert gathered_saving == layer_experts // 2
     assert ep.peak_bytes < no_ep.peak_bytes
     assert "ep=2" in ep.parallelism
+
+
+def test_expert_tensor_parallel_splits_the_expert_bytes_over_tp():
+    """TP2 x FSDP2 on 4 ranks: without expert TP each TP rank stores its experts whole (FSDP
+    shards them over dp_shard 2 only); with it their hidden dims are split over tp as well, so
+    each rank stores exactly a quarter of every expert weight instead of half."""
+    tp2 = [*MOE, "--parallelism.tensor_parallel_degree", "2"]
+    whole = estimate_memory(_cfg(*tp2), 4)
+    split = estimate_memory(_cfg(*tp2, "--parallelism.expert_tensor_parallel_degree", "2"), 4)
+    spec = get_model_spec("qwen3")
+    args = spec.get_model_args("debugmodel_moe")
+    args.update_from_config(_cfg(*MOE), tokenizer=None)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    experts = sum(4 * p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert whole.breakdown["Sharded Param"] - split.breakdown["Sharded Param"] == experts // 4
+    assert "etp=2" in split.parallelism
