@@ -105,6 +105,24 @@ def test_fake_backend_expert_parallel_with_hsdp_and_cp(tmp_path):
 
 
 @pytest.mark.slow
+def test_fake_backend_expert_tensor_parallel(tmp_path):
+    """The 671B expert-TP dry run's path with the DeepSeek-V3 debug flavor (shared experts):
+    8 ranks, TP2 with the experts' hidden dims over tp, EP2 borrowed from dp_shard 4."""
+    proc = _run(
+        {"NGPU": "8", "COMM_MODE": "fake_backend", "MODULE": "deepseek_v3",
+         "CONFIG": "deepseek_v3_debugmodel"},
+        "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+        "--parallelism.expert_tensor_parallel_degree", "2", tmp=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert ("Applied expert parallel to 5 MoE layer(s) (ep=2: 4 experts per rank, all-to-all "
+            "dispatch, balanced routing assumed; etp=2: expert hidden dims split over tp)") in out
+    assert "dp_shard=4, cp=1, tp=2, pp=1, ep=2, etp=2" in out
+    assert "step 1 ran forward, backward and the optimizer on fake tensors" in out
+
+
+@pytest.mark.slow
 def test_local_tensor_matches_real_gloo_tp2_fsdp2(tmp_path):
     (tmp_path / "loss_probe.py").write_text(LOSS_PROBE)
     flags = ["--model.flavor", "debugmodel_tiny", "--training.seq_len", "64",
