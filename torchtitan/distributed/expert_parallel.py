@@ -18,6 +18,11 @@ rest of the ranks with other tokens (data and context parallel), and
 :func:`expert_grad_scaler` divides by ``ep`` after backward, so experts get the same global-mean
 gradient as dense parameters. (FSDP's own ``gradient_divide_factor`` is not used for this: in
 torch 2.13 a one-rank FSDP mesh applies it twice.)
+
+Expert tensor parallel (``expert_tensor_parallel_degree`` = tp, :class:`ExpertTensorParallel`):
+MoE layers see the TP-gathered sequence; the experts' hidden dims are also split over ``tp``
+(weights are DTensors on the ``(ep, tp)`` mesh ``ep_etp``), the shared experts' too, and the
+partial expert outputs are summed over ``tp`` inside the dispatch / combine pair.
 """
 
 from __future__ import annotations
