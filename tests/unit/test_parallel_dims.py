@@ -28,7 +28,15 @@ def test_single_device_has_no_parallelism():
         (6, dict(tensor_parallel_degree=4), "not divisible"),
         (4, dict(tensor_parallel_degree=0), "tensor_parallel_degree=0 must be >= 1"),
         (4, dict(data_parallel_shard_degree=-2), "must be -1"),
-        (4, dict(expert_parallel_degree=3), "expert_parallel_degree=3 must divide"),
+        (4, dict(expert_parallel_degree=3), r"expert_parallel_degree=3 must divide "
+                                            r"data_parallel_shard_degree=4 \(expert-parallel ranks "
+                                            r"are borrowed from the FSDP shard dimension\)$"),
+        # upstream also borrows TP ranks for ep: the line says what to do here instead
+        (8, dict(expert_parallel_degree=4, tensor_parallel_degree=2, data_parallel_shard_degree=2,
+                 data_parallel_replicate_degree=2),
+         r"must divide data_parallel_shard_degree=2 .*; TP ranks are not borrowed \(they share "
+         r"their tokens\): to spread experts over TP as well, set "
+         r"parallelism.expert_tensor_parallel_degree=2$"),
     ],
 )
 def test_invalid_layouts(world, kw, needle):

@@ -92,10 +92,18 @@ class ParallelDims:
                     f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*"
                     f"{self.cp} = {self.dp_shard * self.cp}"
                 )
+                hint = ""
+                if self.tp > 1 and (self.dp_shard * self.cp * self.tp) % self.ep == 0:
+                    hint = (
+                        "; TP ranks are not borrowed (they share their tokens): to spread "
+                        "experts over TP as well, set parallelism.expert_tensor_parallel_degree="
+                        f"{self.tp}"
+                    )
                 raise ParallelismError(
                     f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
                     "(expert-parallel ranks are borrowed from the FSDP shard"
                     + (" and context-parallel dimensions)" if self.cp > 1 else " dimension)")
+                    + hint
                 )
         if self.etp not in (1, self.tp):
             raise ParallelismError(
