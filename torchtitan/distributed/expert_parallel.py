@@ -65,7 +65,8 @@ class ExpertDispatch:
             received_counts = torch.empty_like(counts)
             dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
         send_splits = counts.view(self.ep, n_local).sum(dim=1).tolist()
-        self.tokens_sent += sum(send_splits) - send_splits[self.rank]
+        if isinstance(self.rank, int):  # a per-rank value under COMM_MODE=local_tensor
+            self.tokens_sent += sum(send_splits) - send_splits[self.rank]
         received = received_counts.view(self.ep, n_local)  # [source rank, local expert]
         recv_splits = received.sum(dim=1).tolist()
         routed = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)

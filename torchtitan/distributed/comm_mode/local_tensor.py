@@ -4,8 +4,10 @@
 numerics match a real run of that layout. Each data-parallel rank reads its own batches.
 Tensor parallel runs as is; data parallel (FSDP/HSDP/DDP) runs as DTensor-sharded parameters
 gathered on use (SimpleFSDP style), because ``fully_shard`` cannot run under
-LocalTensorMode. Pipeline parallel, context parallel and expert parallel are refused; compile (and async TP)
-are switched off (``prepare_dry_run``), as in ``fake_backend``.
+LocalTensorMode. Expert parallel's token all-to-all runs for real: its per-rank split sizes
+come out of ``tolist()`` as per-rank integers, which LocalTensor's all-to-all accepts. Pipeline
+parallel and context parallel are refused; compile (and async TP) are switched off
+(``prepare_dry_run``), as in ``fake_backend``.
 Memory and time grow with the number of simulated ranks: ``check_memory`` estimates the
 memory before the build and refuses a run that cannot fit.
 """
@@ -150,9 +152,11 @@ def apply_local_data_parallel(
     """Shard every parameter over the data-parallel mesh dims as a DTensor, gathered on use.
 
     ``dp_shard`` shards dim 0 (FSDP), ``dp_replicate`` replicates (DDP / HSDP's outer dim);
-    gradients are averaged over both, as FSDP2 and DDP do. Works under LocalTensorMode,
-    where ``fully_shard`` does not.
+    gradients are averaged over both, as FSDP2 and DDP do. Expert-parallel experts use
+    ``dp_shard_mod_ep`` instead of ``dp_shard``. Works under LocalTensorMode, where
+    ``fully_shard`` does not.
     """
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.nn.utils import parametrize
 
@@ -162,23 +166,28 @@ def apply_local_data_parallel(
     dp_dims = [n for n in ("dp_replicate", "dp_shard") if n in (mesh.mesh_dim_names or ())]
     if not dp_dims:
         return model
-    dp_placements = [Replicate() if n == "dp_replicate" else Shard(0) for n in dp_dims]
+    # expert-parallel experts (DTensors on a mesh with ep): data parallel over the ranks
+    # outside their ep group, (dp_replicate,) dp_shard_mod_ep, as fsdp.get_expert_fsdp_mesh
+    expert_dp = [n for n in ("dp_replicate", "dp_shard_mod_ep") if parallel_dims.get_mesh(n)]
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                tp_mesh, tp_placements = param.device_mesh, list(param.placements)
-                names = list(dp_dims) + list(tp_mesh.mesh_dim_names or ())
+            tp_mesh = param.device_mesh if isinstance(param, DTensor) else None
+            tp_placements = list(param.placements) if tp_mesh is not None else []
+            if tp_mesh is not None and "ep" in (tp_mesh.mesh_dim_names or ()):
+                dims = expert_dp
+                span = DeviceMesh._concatenate([*map(parallel_dims.get_mesh, dims), tp_mesh])
             else:
-                tp_mesh, tp_placements = None, []
-                names = list(dp_dims)
-            span = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+                dims = dp_dims
+                names = [*dims, *(tp_mesh.mesh_dim_names if tp_mesh is not None else ())]
+                span = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+            placements = [Replicate() if n == "dp_replicate" else Shard(0) for n in dims]
             full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            sharded = distribute_tensor(full, span, dp_placements + tp_placements)
+            sharded = distribute_tensor(full, span, placements + tp_placements)
             setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
             parametrize.register_parametrization(
                 module,
                 name,
-                _GatherOnUse(len(dp_dims), tp_mesh, tp_placements, param_dtype),
+                _GatherOnUse(len(dims), tp_mesh, tp_placements, param_dtype),
                 unsafe=True,
             )
     kinds = "+".join(f"{n}={mesh[n].size()}" for n in dp_dims)
@@ -213,8 +222,6 @@ class LocalTensorSim(CommMode):
             )
         if parallel_dims.cp_enabled:
             refused.append("context parallel (parallelism.context_parallel_degree > 1)")
-        if parallel_dims.ep_enabled:
-            refused.append("expert parallel (parallelism.expert_parallel_degree > 1)")
         if refused:
             raise ParallelismError(
                 f"COMM_MODE={self.name} cannot run " + "; ".join(refused)
