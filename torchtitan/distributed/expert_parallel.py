@@ -64,17 +64,19 @@ class ExpertDispatch:
         with torch.no_grad():
             received_counts = torch.empty_like(counts)
             dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
-        send_splits = counts.view(self.ep, n_local).sum(dim=1).tolist()
+        received = received_counts.view(self.ep, n_local)  # [source rank, local expert]
+        # one device-to-host copy (a GPU sync) for both split lists
+        splits = torch.cat([counts.view(self.ep, n_local).sum(dim=1), received.sum(dim=1)])
+        splits = splits.tolist()
+        send_splits, recv_splits = splits[: self.ep], splits[self.ep :]
         if isinstance(self.rank, int):  # a per-rank value under COMM_MODE=local_tensor
             self.tokens_sent += sum(send_splits) - send_splits[self.rank]
-        received = received_counts.view(self.ep, n_local)  # [source rank, local expert]
-        recv_splits = received.sum(dim=1).tolist()
         routed = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.group)
         # Arrived grouped by source rank, each sorted by local expert: regroup by local expert.
         starts = _exclusive_cumsum(received.flatten()).view(self.ep, n_local)
         sizes_by_expert = received.t().flatten()
         starts_by_expert = starts.t().flatten()
-        total = int(sizes_by_expert.sum())
+        total = sum(recv_splits)
         base = torch.repeat_interleave(starts_by_expert, sizes_by_expert, output_size=total)
         within = torch.arange(total, device=counts.device) - torch.repeat_interleave(
             _exclusive_cumsum(sizes_by_expert), sizes_by_expert, output_size=total
