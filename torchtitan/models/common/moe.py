@@ -281,7 +281,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         bias = self.expert_bias if self.uses_load_balance_bias else None
         weights, selected, counts, scores = self.router(tokens, bias)
-        if torch.is_grad_enabled():  # training forwards only: not validation or shape probes
+        if torch.is_grad_enabled() and not _in_recompute():
+            # training forwards only: not validation, shape probes or activation
+            # checkpointing's recompute in backward (that would count the tokens twice)
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # Sort the (token, choice) pairs by expert so each expert's tokens are contiguous.
@@ -297,6 +299,14 @@ class MoE(nn.Module):
             aux = sequence_balance_loss(scores, selected, bs, self.args)
             out = AddAuxiliaryLoss.apply(out, aux * self.args.aux_loss_coeff * self.aux_loss_scale)
         return out.view(bs, slen, dim)
+
+
+def _in_recompute() -> bool:
+    """True while activation checkpointing re-runs a forward inside backward (eager; a
+    compiled graph applies a buffer mutation once, in its forward)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 def sequence_balance_loss(
