@@ -112,18 +112,18 @@ def test_layout_init_and_forward():
 
 def test_sdpa_padding_equals_plain_attention():
     """Zero-padding v to the q/k head dim (for the flash kernels) changes nothing."""
-    from torchtitan.models.deepseek_v3.model import _sdpa_causal
+    from torchtitan.models.deepseek_v3.model import _attend
 
     q, k, v = torch.randn(2, 7, 3, 12), torch.randn(2, 7, 3, 12), torch.randn(2, 7, 3, 5)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=0.3
     ).transpose(1, 2)
-    torch.testing.assert_close(_sdpa_causal(q, k, v, 0.3), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(q, k, v, 0.3), ref, rtol=1e-5, atol=1e-6)
     q2, k2, v2 = torch.randn(2, 7, 3, 4), torch.randn(2, 7, 3, 4), torch.randn(2, 7, 3, 6)
     ref2 = torch.nn.functional.scaled_dot_product_attention(
         q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), is_causal=True, scale=0.3
     ).transpose(1, 2)
-    torch.testing.assert_close(_sdpa_causal(q2, k2, v2, 0.3), ref2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_attend(q2, k2, v2, 0.3), ref2, rtol=1e-5, atol=1e-6)
 
 
 def test_softmax_scale_uses_yarn_mscale():
@@ -138,7 +138,7 @@ def test_softmax_scale_uses_yarn_mscale():
         (dict(n_dense_layers=9), "n_dense_layers=9 must be between 0 and n_layers=6"),
         (dict(qk_rope_head_dim=63), "qk_rope_head_dim=63 must be even"),
         (dict(q_lora_rank=-1), "q_lora_rank=-1 must be >= 0"),
-        (dict(use_flex_attn=True), "use_flex_attn=True is not supported"),
+        (dict(attn_mask_type="sliding"), "attn_mask_type='sliding' must be 'causal' or 'block_causal'"),
         (dict(moe_args=MoEArgs(num_experts=8, top_k=9)), "top_k=9 must be between 1"),
         (dict(beta_fast=1.0), "beta_fast=1.0 must be greater than beta_slow"),
     ],

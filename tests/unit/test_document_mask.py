@@ -198,11 +198,15 @@ def test_attention_config_keys(tmp_path):
     apply_attention_config(unset, flavor)  # the flavor's own settings stay
     assert (flavor.attn_mask_type, flavor.use_flex_attn) == ("block_causal", True)
     qwen = copy.deepcopy(next(iter(qwen3_args.values())))
-    with pytest.raises(ValueError, match="(use_flex_attn=True|block_causal').* is not supported"):
-        apply_attention_config(cfg, qwen)
+    apply_attention_config(cfg, qwen)  # Qwen3 (and DeepSeek-V3) have the settings too
+    assert (qwen.attn_mask_type, qwen.use_flex_attn) == ("block_causal", True)
+    # a family without the field (e.g. one registered by experimental.custom_import)
+    custom = SimpleNamespace(attn_mask_type="causal", use_flex_attn=False)
     cfg.attn_mask_type, cfg.use_flex_attn, cfg.sliding_window_size = None, None, 8
-    with pytest.raises(ValueError, match="model.sliding_window_size=8 is not supported by model"):
-        apply_attention_config(cfg, qwen)
+    cfg.name = "custom"
+    with pytest.raises(ValueError, match="model.sliding_window_size=8 is not supported by model "
+                                         "custom: its flavors have no such setting"):
+        apply_attention_config(cfg, custom)
 
 
 def test_context_parallel_refuses_document_masks_in_one_line():
@@ -217,3 +221,40 @@ def test_context_parallel_refuses_document_masks_in_one_line():
         with pytest.raises(ValueError, match=needle) as err:
             check_context_parallel_model(tiny_args(**kw))
         assert "\n" not in str(err.value)
+
+
+def _family_models(family: str, flavor: str):
+    from torchtitan.models import get_model_spec
+
+    spec = get_model_spec(family)
+
+    def build(**kw):
+        args = copy.deepcopy(spec.get_model_args(flavor))
+        args.vocab_size, args.max_seq_len = VOCAB, SEQ
+        for key, value in kw.items():
+            setattr(args, key, value)
+        return spec.model_cls(args)
+
+    torch.manual_seed(0)
+    causal = build()
+    causal.init_weights()
+    block = build(attn_mask_type="block_causal")
+    block.load_state_dict(causal.state_dict())
+    return causal, block
+
+
+@pytest.mark.parametrize("family, flavor", [("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe"),
+                                            ("deepseek_v3", "debugmodel")])
+def test_block_causal_equals_each_document_alone_in_other_families(family, flavor):
+    """Qwen3 (QK-norm, rotate-half RoPE, MoE) and DeepSeek-V3 (MLA with a softmax scale and a
+    value head dim unlike the query's, MoE with shared experts) mask the same way."""
+    tokens = packed_batch()
+    causal, block = _family_models(family, flavor)
+    logits = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
+    loss_of(logits, tokens).backward()
+    reference = per_document_logits(causal, tokens)
+    loss_of(reference, tokens).backward()
+    torch.testing.assert_close(logits, reference, **TOL)
+    for name, grad in grads(block).items():
+        torch.testing.assert_close(grad, grads(causal)[name], **TOL, msg=name)
+    assert (causal(tokens) - logits).abs().max() > 1e-2

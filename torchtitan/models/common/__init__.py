@@ -1,6 +1,6 @@
 """Building blocks shared by model families (plain PyTorch, no parallelism)."""
 
-from torchtitan.models.common.attention import repeat_kv, sdpa_causal
+from torchtitan.models.common.attention import repeat_kv
 from torchtitan.models.common.rope import (
     RoPEScalingArgs,
     apply_rope_scaling,
@@ -16,5 +16,4 @@ __all__ = [
     "precompute_freqs_cis",
     "repeat_kv",
     "rope_frequencies",
-    "sdpa_causal",
 ]

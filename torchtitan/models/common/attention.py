@@ -1,9 +1,9 @@
-"""Attention helpers: grouped-query key/value expansion and causal SDPA."""
+"""Attention helpers: grouped-query key/value expansion (masks and kernels:
+document_mask.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -16,8 +16,3 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
         .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
     )
-
-
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled-dot-product attention on ``[B, H, S, D]`` tensors (same head count)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -25,12 +25,14 @@ __all__ = [
     "MASK_TYPES",
     "apply_attention_config",
     "attend",
+    "batch_attention_mask",
     "boolean_mask",
     "build_attention_mask",
     "check_document_separators",
     "document_ids",
     "flex_supported",
     "mask_mod",
+    "validate_mask_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -149,17 +151,52 @@ def _compiled_flex_attention():
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
-           compiled_flex: bool = True) -> torch.Tensor:
-    """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`."""
+           compiled_flex: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`
+    (``scale``: the softmax scale, default ``1/sqrt(D)``)."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if compiled_flex:
-        return _compiled_flex_attention()(q, k, v, block_mask=mask)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=mask)
+    return flex_attention(q, k, v, block_mask=mask, scale=scale)
+
+
+def validate_mask_settings(args: Any) -> None:
+    """ValueError (one line) for a model's ``attn_mask_type`` / ``sliding_window_size``."""
+    if args.attn_mask_type not in MASK_TYPES:
+        raise ValueError(
+            f"model attn_mask_type={args.attn_mask_type!r} must be 'causal' or 'block_causal'"
+        )
+    if args.sliding_window_size is not None and args.sliding_window_size < 1:
+        raise ValueError(
+            f"model sliding_window_size={args.sliding_window_size} must be >= 1 (or None)"
+        )
+
+
+def batch_attention_mask(
+    args: Any, tokens: torch.Tensor, document_ids: torch.Tensor | None, device: torch.device
+) -> Any:
+    """The mask a model's forward builds once per batch for all its layers, from its args
+    (``attn_mask_type``, ``sliding_window_size``, ``use_flex_attn``): None for plain causal
+    attention. ``document_ids`` give the batch shape to pipeline stages whose input is hidden
+    states ``[B, S, D]`` rather than tokens."""
+    if args.attn_mask_type == "causal" and not (args.sliding_window_size or args.use_flex_attn):
+        return None
+    shape = (document_ids if document_ids is not None else tokens).shape
+    if len(shape) != 2:
+        raise ValueError(
+            "this model's attention mask needs document_ids [batch, seq] on a "
+            "pipeline stage without the token embedding"
+        )
+    return build_attention_mask(
+        mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=shape[1],
+        batch_size=shape[0], device=device,
+        sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn,
+    )
 
 
 def apply_attention_config(model_cfg: Any, model_args: Any) -> None:

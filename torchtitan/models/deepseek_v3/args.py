@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
+from torchtitan.models.common.document_mask import validate_mask_settings
 from torchtitan.models.common.moe import MoE, MoEArgs
 from torchtitan.models.common.rope import YaRNScalingArgs, yarn_get_mscale
 from torchtitan.models.llama3.args import _tokenizer_vocab_size
@@ -69,8 +70,13 @@ class DeepSeekV3ModelArgs:
     use_tokenizer_vocab: bool = False
     """Take vocab_size from the tokenizer (debug flavors); real flavors keep theirs."""
     use_flex_attn: bool = False
-    """FlexAttention is not implemented; must stay False."""
-    attn_mask_type: Literal["causal"] = "causal"
+    """FlexAttention kernel (compiled) on GPUs; on CPU, which has no FlexAttention backward,
+    SDPA with the same mask (one info line). See models/common/document_mask.py."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """``block_causal``: tokens attend only within their document of a packed sequence
+    (documents split at the tokenizer's BOS/EOS); ``causal``: across the whole sequence."""
+    sliding_window_size: int | None = None
+    """Attend to at most this many positions back (including oneself); None: unlimited."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_args, dict):  # args recorded in a checkpoint marker as JSON
@@ -113,15 +119,7 @@ class DeepSeekV3ModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError (one line) naming the offending field if no model can be built."""
-        if self.use_flex_attn:
-            raise ValueError(
-                "model use_flex_attn=True is not supported: FlexAttention is not implemented; "
-                "use a flavor with use_flex_attn=False"
-            )
-        if self.attn_mask_type != "causal":
-            raise ValueError(
-                f"model attn_mask_type={self.attn_mask_type!r} is not supported; only 'causal' is"
-            )
+        validate_mask_settings(self)
         if self.tie_word_embeddings:
             raise ValueError("DeepSeek-V3 tie_word_embeddings=True is not supported")
         for name in ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads",

@@ -16,11 +16,13 @@ checkpoints and HF's ``rope_interleave=True`` do.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rotary_emb, precompute_freqs_cis
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
@@ -74,7 +76,9 @@ class Attention(nn.Module):
         self.kv_norm.reset_parameters()
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q = q.view(bs, seqlen, -1, self.qk_head_dim)
@@ -85,22 +89,23 @@ class Attention(nn.Module):
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        out = _sdpa_causal(q, k, v, self.softmax_scale)
+        out = _attend(q, k, v, self.softmax_scale, attention_mask)
         return self.wo(out.reshape(bs, seqlen, -1))
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA on ``[B, S, H, D]`` tensors whose value head dim may differ from the query's:
-    the narrower side is zero-padded (exact: zeros add nothing to q.k or to the output) so the
-    flash kernels, and context parallel's ring attention over them, apply; ``[B, S, H, Dv]``."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Any = None
+) -> torch.Tensor:
+    """Attention (causal, or with a mask from ``document_mask``) on ``[B, S, H, D]`` tensors
+    whose value head dim may differ from the query's: the narrower side is zero-padded (exact:
+    zeros add nothing to q.k or to the output) so the flash kernels, and context parallel's
+    ring attention over them, apply; ``[B, S, H, Dv]``."""
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     if v_dim < qk_dim:
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
-    )
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale)
     return out.transpose(1, 2)[..., :v_dim]
 
 
@@ -131,8 +136,10 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask=attention_mask)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -201,11 +208,17 @@ class DeepSeekV3Model(nn.Module):
                         setattr(module, name, buf.float())
         return result
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids ``[B, S]`` (or hidden states ``[B, S, D]`` when ``tok_embeddings`` is None)
-        to logits ``[B, S, V]`` (or hidden states when ``output`` is None)."""
+        to logits ``[B, S, V]`` (or hidden states when ``output`` is None).
+
+        ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
+        ``attn_mask_type="block_causal"``; the mask is built once here for every layer."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = batch_attention_mask(self.model_args, tokens, document_ids, h.device)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis, attention_mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

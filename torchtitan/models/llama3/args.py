@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
+from torchtitan.models.common.document_mask import validate_mask_settings
 from torchtitan.models.common.rope import RoPEScalingArgs
 from torchtitan.tools.logging import logger
 
@@ -77,14 +78,7 @@ class TransformerModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field if these args cannot build a model."""
-        if self.attn_mask_type not in ("causal", "block_causal"):
-            raise ValueError(
-                f"model attn_mask_type={self.attn_mask_type!r} must be 'causal' or 'block_causal'"
-            )
-        if self.sliding_window_size is not None and self.sliding_window_size < 1:
-            raise ValueError(
-                f"model sliding_window_size={self.sliding_window_size} must be >= 1 (or None)"
-            )
+        validate_mask_settings(self)
         if self.dim % self.n_heads != 0:
             raise ValueError(f"model dim={self.dim} must be divisible by n_heads={self.n_heads}")
         if self.head_dim % 2 != 0:

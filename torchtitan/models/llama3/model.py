@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import repeat_kv
-from torchtitan.models.common.document_mask import attend, build_attention_mask
+from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.rope import apply_rotary_emb, precompute_freqs_cis
 from torchtitan.models.llama3.args import TransformerModelArgs
 
@@ -194,20 +194,7 @@ class Transformer(nn.Module):
         ``attn_mask_type="block_causal"`` (and give the sequence length to pipeline stages
         without the embedding); the mask is built once here for every layer."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        args = self.model_args
-        mask = None
-        if args.attn_mask_type != "causal" or args.sliding_window_size or args.use_flex_attn:
-            shape = (document_ids if document_ids is not None else tokens).shape
-            if len(shape) != 2:
-                raise ValueError(
-                    "this model's attention mask needs document_ids [batch, seq] on a "
-                    "pipeline stage without the token embedding"
-                )
-            mask = build_attention_mask(
-                mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=shape[1],
-                batch_size=shape[0], device=h.device,
-                sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn,
-            )
+        mask = batch_attention_mask(self.model_args, tokens, document_ids, h.device)
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attention_mask=mask)
         h = self.norm(h) if self.norm is not None else h

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
+from torchtitan.models.common.document_mask import validate_mask_settings
 from torchtitan.models.common.moe import GroupedExperts, MoEArgs
 from torchtitan.models.llama3.args import _tokenizer_vocab_size
 from torchtitan.tools.logging import logger
@@ -51,8 +52,13 @@ class Qwen3ModelArgs:
     mlp_only_layers: list[int] = field(default_factory=list)
     """... and ``i`` is not listed here (those layers use the dense feed-forward)."""
     use_flex_attn: bool = False
-    """FlexAttention is not implemented; must stay False."""
-    attn_mask_type: Literal["causal"] = "causal"
+    """FlexAttention kernel (compiled) on GPUs; on CPU, which has no FlexAttention backward,
+    SDPA with the same mask (one info line). See models/common/document_mask.py."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """``block_causal``: tokens attend only within their document of a packed sequence
+    (documents split at the tokenizer's BOS/EOS); ``causal``: across the whole sequence."""
+    sliding_window_size: int | None = None
+    """Attend to at most this many positions back (including oneself); None: unlimited."""
 
     def __post_init__(self) -> None:
         # Records of the args (checkpoint markers, JSON) hold moe_args as a plain dict.
@@ -89,14 +95,7 @@ class Qwen3ModelArgs:
     def validate(self) -> None:
         """Raise ValueError (one line) naming the offending field if these args cannot build a
         model."""
-        if self.use_flex_attn:
-            raise ValueError(
-                "model use_flex_attn=True is not supported: FlexAttention is not implemented"
-            )
-        if self.attn_mask_type != "causal":
-            raise ValueError(
-                f"model attn_mask_type={self.attn_mask_type!r} is not supported; only 'causal' is"
-            )
+        validate_mask_settings(self)
         for name in ("dim", "n_layers", "n_heads", "head_dim", "vocab_size", "hidden_dim",
                      "max_seq_len", "decoder_sparse_step"):
             if getattr(self, name) <= 0:

@@ -13,11 +13,13 @@ lets tensor parallelism shard heads from outside.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import repeat_kv, sdpa_causal
+from torchtitan.models.common.attention import repeat_kv
+from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import precompute_freqs_cis
 from torchtitan.models.llama3.model import FeedForward
@@ -49,7 +51,8 @@ def apply_rotary_emb_half(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with QK-norm, RoPE and a causal mask."""
+    """Grouped-query self-attention with QK-norm and RoPE; causal unless given a mask (from
+    ``document_mask.build_attention_mask``)."""
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
@@ -72,7 +75,9 @@ class Attention(nn.Module):
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         xq = self.q_norm(self.wq(x).view(bs, seqlen, -1, self.head_dim))
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
@@ -80,7 +85,9 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb_half(xq, xk, freqs_cis)
         keys = repeat_kv(xk, self.n_rep)
         values = repeat_kv(xv, self.n_rep)
-        out = sdpa_causal(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        out = attend(
+            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask
+        )
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -112,8 +119,10 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, attention_mask: Any = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attention_mask=attention_mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -197,12 +206,18 @@ class Qwen3Model(nn.Module):
             self.freqs_cis = self._precompute_freqs_cis(device=self.freqs_cis.device)
         return result
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Token ids ``[B, S]`` (or hidden states ``[B, S, D]`` when ``tok_embeddings`` is None)
-        to logits ``[B, S, V]`` (or hidden states when ``output`` is None)."""
+        to logits ``[B, S, V]`` (or hidden states when ``output`` is None).
+
+        ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
+        ``attn_mask_type="block_causal"``; the mask is built once here for every layer."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = batch_attention_mask(self.model_args, tokens, document_ids, h.device)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.freqs_cis, attention_mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
