@@ -156,7 +156,10 @@ def test_registry_and_update_from_config():
     from torchtitan.config.manager import ConfigManager
 
     spec = get_model_spec("deepseek_v3")
-    assert spec.flavors == ["debugmodel", "16B", "236B", "671B"]
+    assert spec.flavors == ["debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"]
+    flex = spec.get_model_args("debugmodel_flex_attn")
+    assert (flex.use_flex_attn, flex.attn_mask_type) == (True, "block_causal")
+    assert spec.get_model_args("debugmodel").attn_mask_type == "causal"
     cfg = ConfigManager().parse_args([
         "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
         "--training.seq_len", "128", "--debug.moe_force_load_balance",

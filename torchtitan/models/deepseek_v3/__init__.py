@@ -1,11 +1,15 @@
 """DeepSeek-V3 family (MLA + MoE): flavors and registry entry ``deepseek_v3``.
 
 Flavors: ``debugmodel`` (CPU-trainable: V3 features at small widths, q LoRA, sigmoid routing
-with bias, groups, shared experts, YaRN), ``16B`` (DeepSeek-V2-Lite's shape, softmax routing), ``236B`` (DeepSeek-V2's shape) and
+with bias, groups, shared experts, YaRN), ``debugmodel_flex_attn`` (the same with FlexAttention
+and document masking, upstream's name), ``16B`` (DeepSeek-V2-Lite's shape, softmax routing), ``236B`` (DeepSeek-V2's shape) and
 ``671B`` (DeepSeek-V3). See docs/models.md.
 """
 
 from __future__ import annotations
+
+import copy
+from dataclasses import replace
 
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3ModelArgs
@@ -14,34 +18,40 @@ from torchtitan.models.spec import ModelSpec, lazy
 
 __all__ = ["DeepSeekV3Model", "DeepSeekV3ModelArgs", "deepseekv3_args"]
 
+_DEBUG = DeepSeekV3ModelArgs(
+    vocab_size=2048,
+    dim=256,
+    inter_dim=1024,
+    moe_inter_dim=256,
+    n_layers=6,
+    n_dense_layers=1,
+    n_heads=8,
+    moe_args=MoEArgs(
+        num_experts=8,
+        num_shared_experts=2,
+        top_k=3,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=1.0,
+        num_expert_groups=4,
+        num_limited_groups=2,
+    ),
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    rope_factor=40.0,
+    original_seq_len=4096,
+    mscale=0.70,
+    use_tokenizer_vocab=True,
+)
+
 deepseekv3_args: dict[str, DeepSeekV3ModelArgs] = {
-    "debugmodel": DeepSeekV3ModelArgs(
-        vocab_size=2048,
-        dim=256,
-        inter_dim=1024,
-        moe_inter_dim=256,
-        n_layers=6,
-        n_dense_layers=1,
-        n_heads=8,
-        moe_args=MoEArgs(
-            num_experts=8,
-            num_shared_experts=2,
-            top_k=3,
-            score_func="sigmoid",
-            route_norm=True,
-            route_scale=1.0,
-            num_expert_groups=4,
-            num_limited_groups=2,
-        ),
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        rope_factor=40.0,
-        original_seq_len=4096,
-        mscale=0.70,
-        use_tokenizer_vocab=True,
+    "debugmodel": _DEBUG,
+    # upstream's name: FlexAttention (GPU; SDPA with the same mask on CPU) + document masking
+    "debugmodel_flex_attn": replace(
+        copy.deepcopy(_DEBUG), use_flex_attn=True, attn_mask_type="block_causal"
     ),
     "16B": DeepSeekV3ModelArgs(  # DeepSeek-V2-Lite / upstream torchtitan's 16B
         vocab_size=102400,
