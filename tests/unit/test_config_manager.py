@@ -630,3 +630,17 @@ def test_help_shows_defaults_from_the_selected_config(capsys, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert code == 0
     assert "(default: 37)" in out and "--training.steps" in out
+
+
+@pytest.mark.parametrize("path, model, flavor", [
+    ("torchtitan/models/deepseek_v3/train_configs/debug_model.toml", "deepseek_v3", "debugmodel"),
+    ("torchtitan/models/deepseek_v3/train_configs/deepseek_v3_671b.toml", "deepseek_v3", "671B"),
+    ("torchtitan/models/qwen3/train_configs/qwen3_debugmodel_moe.toml", "qwen3", "debugmodel_moe"),
+])
+def test_upstream_per_family_config_paths(path, model, flavor):
+    """Upstream's READMEs point CONFIG_FILE at torchtitan/models/<family>/train_configs/."""
+    from torchtitan.config.manager import ConfigManager
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = ConfigManager().parse_args(["--job.config_file", str(root / path)])
+    assert (cfg.model.name, cfg.model.flavor) == (model, flavor)
