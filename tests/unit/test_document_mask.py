@@ -92,9 +92,10 @@ def test_document_ids_from_bos_and_eos():
     assert document_ids(torch.tensor([[3, 2, 4, 2]]), -1, 2).tolist() == [[0, 0, 1, 1]]
 
 
-def test_block_causal_equals_each_document_alone():
+def assert_block_causal_equals_each_document_alone(causal, block) -> None:
+    """Logits and gradients of ``block`` (block-causal) on a packed batch equal ``causal`` run on
+    every document alone; and differ from ``causal`` on the whole rows (the test can fail)."""
     tokens = packed_batch()
-    causal, block = models()
     logits = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
     loss_of(logits, tokens).backward()
     reference = per_document_logits(causal, tokens)
@@ -102,8 +103,11 @@ def test_block_causal_equals_each_document_alone():
     torch.testing.assert_close(logits, reference, **TOL)
     for name, grad in grads(block).items():
         torch.testing.assert_close(grad, grads(causal)[name], **TOL, msg=name)
-    # and it is not plain causal attention (the test can fail)
     assert (causal(tokens) - logits).abs().max() > 1e-2
+
+
+def test_block_causal_equals_each_document_alone():
+    assert_block_causal_equals_each_document_alone(*models())
 
 
 def test_block_causal_needs_document_ids():
@@ -248,13 +252,4 @@ def _family_models(family: str, flavor: str):
 def test_block_causal_equals_each_document_alone_in_other_families(family, flavor):
     """Qwen3 (QK-norm, rotate-half RoPE, MoE) and DeepSeek-V3 (MLA with a softmax scale and a
     value head dim unlike the query's, MoE with shared experts) mask the same way."""
-    tokens = packed_batch()
-    causal, block = _family_models(family, flavor)
-    logits = block(tokens, document_ids=document_ids(tokens, BOS, EOS))
-    loss_of(logits, tokens).backward()
-    reference = per_document_logits(causal, tokens)
-    loss_of(reference, tokens).backward()
-    torch.testing.assert_close(logits, reference, **TOL)
-    for name, grad in grads(block).items():
-        torch.testing.assert_close(grad, grads(causal)[name], **TOL, msg=name)
-    assert (causal(tokens) - logits).abs().max() > 1e-2
+    assert_block_causal_equals_each_document_alone(*_family_models(family, flavor))
