@@ -168,7 +168,9 @@ def apply_local_data_parallel(
         return model
     # expert-parallel experts (DTensors on a mesh with ep): data parallel over the ranks
     # outside their ep group, (dp_replicate,) dp_shard_mod_ep, as fsdp.get_expert_fsdp_mesh
-    expert_dp = [n for n in ("dp_replicate", "dp_shard_mod_ep") if parallel_dims.get_mesh(n)]
+    expert_dp = [
+        n for n in ("dp_replicate", "dp_shard_mod_ep") if parallel_dims.get_mesh(n) is not None
+    ]
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
             tp_mesh = param.device_mesh if isinstance(param, DTensor) else None
