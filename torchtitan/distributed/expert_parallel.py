@@ -144,20 +144,6 @@ def expert_dispatch_policy(cls: type[ExpertDispatch]) -> Iterator[None]:
         _dispatch_cls = previous
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; backward sums the input gradient over the TP ranks (each rank's is
-    only its hidden-dim shard's share)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce_sum(grad.contiguous(), ctx.group_name), None
-
-
 class _ReduceFromTensorParallel(torch.autograd.Function):
     """Forward sums the partial outputs of the TP ranks; backward passes the (equal on every
     rank) gradient through."""
@@ -184,11 +170,14 @@ class ExpertTensorParallel:
     outputs are summed over TP (Megatron's copy / reduce pair around an MLP)."""
 
     def __init__(self, tp_mesh: DeviceMesh):
+        self.tp_mesh = tp_mesh
         self.group_name = tp_mesh.get_group().group_name
 
     def enter(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchtitan.distributed.tensor_parallel import sum_gradient_over_tp
+
         tokens, counts = args
-        return _CopyToTensorParallel.apply(tokens, self.group_name), counts
+        return sum_gradient_over_tp(tokens, self.tp_mesh), counts
 
     def exit(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return _ReduceFromTensorParallel.apply(output, self.group_name)

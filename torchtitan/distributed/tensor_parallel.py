@@ -29,6 +29,17 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torchtitan.tools.logging import logger
 
 
+def sum_gradient_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward all-reduces ``x``'s gradient over the TP ranks (Megatron's
+    "copy to the tensor-parallel region"), for a plain tensor every TP rank feeds into its own
+    shard of the work, so each rank's gradient is only that shard's share."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()]
+    )
+
+
 def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """Plan for ``tok_embeddings`` (vocab-parallel), ``norm`` (SP) and ``output``."""
     return {

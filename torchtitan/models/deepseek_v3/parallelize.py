@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
-from torchtitan.distributed.tensor_parallel import apply_non_block_tp
+from torchtitan.distributed.tensor_parallel import apply_non_block_tp, sum_gradient_over_tp
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.tools.logging import logger
 
@@ -44,8 +44,7 @@ class SumGradientOverTP(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def pre_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]):
-            x = DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False)
-            return (x.to_local(grad_placements=[Partial()]), *inputs[1:])
+            return (sum_gradient_over_tp(inputs[0], device_mesh), *inputs[1:])
 
         module.register_forward_pre_hook(pre_hook)
         return module
