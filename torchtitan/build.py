@@ -33,6 +33,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
+from torchtitan.distributed.compile import isolate_compile_cache
 from torchtitan.distributed.context_parallel import check_context_parallel_model
 from torchtitan.distributed.expert_parallel import expert_grad_scaler
 from torchtitan.distributed.fsdp import to_torch_dtype
@@ -228,6 +229,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     comm_mode.init_process_group(cfg, device_type)
     world_mesh = parallel_dims.build_mesh(device.type)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    isolate_compile_cache(rank, dist.get_world_size() if dist.is_initialized() else 1)
     log_resolved_config(cfg, rank)
     seed = dist_utils.set_determinism(world_mesh, device, cfg.debug)
     # Under fault tolerance the replica groups split the data (and the global batch) too.
