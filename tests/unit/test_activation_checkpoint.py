@@ -197,3 +197,53 @@ def test_force_recompute_fqns_must_name_linears():
         ValueError, match="must name nn.Linear modules, but layers.0.attention_norm"
     ):
         apply_ac(_model(1), cfg)
+
+
+class _BlockWithGraphBreak(torch.nn.Module):
+    """Like an MoE block: a data-dependent count (a graph break) sizes the code after it."""
+
+    def __init__(self, keep: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("keep", torch.tensor(keep))
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        n = int(self.keep)
+        top = h[:n]
+        return x + F.pad(torch.tanh(top) * top, (0, 0, 0, x.shape[0] - n))
+
+
+def test_recompute_runs_the_graphs_its_forward_ran():
+    """The first block's resume graph is static, the next blocks' dynamic; the first block's
+    recompute must run its static graph again (the dynamic one saves other tensors: torch's
+    CheckpointError with inductor)."""
+    torch._dynamo.reset()
+    graphs_run: list[int] = []
+
+    def backend(gm, example_inputs):
+        graph_id = backend.compiled
+        backend.compiled += 1
+
+        def run(*args):
+            graphs_run.append(graph_id)
+            return gm.forward(*args)
+
+        return run
+
+    backend.compiled = 0
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({str(i): _BlockWithGraphBreak(k) for i, k in enumerate([3, 5, 7])})
+    apply_ac(model, _cfg("full"))
+    for block in model.layers.values():
+        block._checkpoint_wrapped_module.compile(backend=backend)
+    y = torch.randn(10, 8, requires_grad=True)
+    forward_graphs = []
+    for block in model.layers.values():
+        y = block(y)
+        forward_graphs.append(graphs_run.copy())
+        graphs_run.clear()
+    assert forward_graphs[0] != forward_graphs[1], "the blocks should need different graphs"
+    y.sum().backward()  # recomputes the last block first
+    recompute_graphs = [graphs_run[i : i + 2] for i in range(0, len(graphs_run), 2)][::-1]
+    assert recompute_graphs == forward_graphs

@@ -66,6 +66,24 @@ def sac_ignore_profiler_ranges() -> None:
     )
 
 
+def recompute_with_forward_graphs() -> None:
+    """Make dynamo try a frame's compiled graphs in the order they were compiled, not most
+    recently used first, so a checkpointed block's recompute runs the graphs its forward ran.
+
+    A compiled block with a graph break (an MoE layer's data-dependent token counts) gets a
+    static graph for the code after the break on its first call and a dynamic one when a later
+    block brings other sizes (automatic dynamic shapes). Both accept the first block's inputs;
+    by default dynamo tries the latest-used first, so the first block's recompute ran the
+    dynamic graph, which saves other tensors than the static one its forward ran, and backward
+    stopped with torch's CheckpointError "trying to save more tensors during recomputation"
+    (DeepSeek-V3 with expert TP, inductor and full AC; pytorch/pytorch#166926). The switch is
+    process-wide; the order costs a few guard checks per call on blocks with several graphs.
+    """
+    set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
+    if set_lru is not None:
+        set_lru(False)
+
+
 def _validate(cfg: ActivationCheckpoint) -> None:
     if cfg.mode not in ("none", "full", "selective", "memory_budget"):
         raise ValueError(
@@ -291,6 +309,8 @@ def apply_ac(
             new_block = _wrap(block, ac_cfg, fqn=f"layers.{layer_id}")
         layers[layer_id] = new_block
         wrapped += 1
+    if wrapped:
+        recompute_with_forward_graphs()
     detail = ac_cfg.mode if ac_cfg.mode == "full" else f"selective {ac_cfg.selective_ac_option}"
     logger.info(f"Applied {detail} activation checkpointing to {wrapped} of {len(layers)} blocks")
     return model
