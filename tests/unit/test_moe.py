@@ -117,11 +117,16 @@ def test_bias_update_evens_a_skewed_load():
     assert "expert_bias" in moe.state_dict() and "tokens_per_expert" not in moe.state_dict()
 
 
-def test_activation_checkpointing_recompute_does_not_count_tokens_twice():
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_activation_checkpointing_recompute_does_not_count_tokens_twice(backend):
+    """Eager, and a compiled block inside AC's wrapper (full AC + compile): its recompute
+    re-runs the whole compiled graph, buffer updates included."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     moe = _moe(num_experts=4, top_k=2)
     block = checkpoint_wrapper(moe)  # what activation_checkpoint.mode full applies
+    if backend is not None:
+        block._checkpoint_wrapped_module.compile(backend=backend)
     block(torch.randn(1, 8, 16, requires_grad=True)).sum().backward()
     assert moe.tokens_per_expert.sum() == 16  # 8 tokens x top 2, once (not again in backward)
     assert moe.router.gate.weight.grad is not None

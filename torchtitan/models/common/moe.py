@@ -281,11 +281,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         bias = self.expert_bias if self.uses_load_balance_bias else None
         weights, selected, counts, scores = self.router(tokens, bias)
-        if torch.is_grad_enabled() and not _in_recompute():
-            # training forwards only: not validation, shape probes or activation
-            # checkpointing's recompute in backward (that would count the tokens twice)
+        if torch.is_grad_enabled():  # training forwards only: not validation or shape probes
             with torch.no_grad():
-                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+                count_routed_tokens(self.tokens_per_expert, counts)
         # Sort the (token, choice) pairs by expert so each expert's tokens are contiguous.
         order = torch.argsort(selected.flatten(), stable=True)
         token_ids = order // self.args.top_k
@@ -301,12 +299,22 @@ class MoE(nn.Module):
         return out.view(bs, slen, dim)
 
 
-def _in_recompute() -> bool:
-    """True while activation checkpointing re-runs a forward inside backward (eager; a
-    compiled graph applies a buffer mutation once, in its forward)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
+@torch.library.custom_op("torchtitan::count_routed_tokens", mutates_args=("total",))
+def count_routed_tokens(total: torch.Tensor, counts: torch.Tensor) -> None:
+    """``total += counts``, except while activation checkpointing re-runs a forward inside
+    backward (that would count the tokens twice).
+
+    An opaque op, so the check runs when the op runs, compiled or not: a compiled block that
+    block-level AC recomputes runs its whole graph again, buffer updates included (a check
+    traced into the graph would be decided once, at trace time).
+    """
+    if torch._C._current_graph_task_id() == -1:  # not inside autograd's backward
+        total.add_(counts.to(total.dtype))
+
+
+@count_routed_tokens.register_fake
+def _(total: torch.Tensor, counts: torch.Tensor) -> None:
+    return None
 
 
 def sequence_balance_loss(
