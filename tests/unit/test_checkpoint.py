@@ -189,6 +189,33 @@ def test_purge_never_lists_newest_or_protected(tmp_path):
     assert fs.purge_candidates(str(folder), 0) == []
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_purge_interrupted_midway_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """keep_latest_k's purge dies after removing one data file of step-1 (the chaos test's
+    kill -9 at a random moment): no ``step-1`` that looks committed but lacks files is left
+    (it is renamed before it is emptied), and the next purge removes the rest."""
+    real_rmtree = shutil.rmtree
+    interrupted = []
+
+    def dies_after_one_file(path, ignore_errors=False):
+        data = sorted(p for p in os.listdir(path) if p.endswith(".distcp")) if os.path.isdir(path) else []
+        if data and not interrupted:
+            os.remove(os.path.join(path, data[0]))
+            interrupted.append(os.path.basename(path))
+            raise SystemExit  # the purge thread stops here, like a process killed mid-delete
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", dies_after_one_file)
+    rig = Rig(tmp_path, interval=1, keep_latest_k=2)
+    rig.train(3)
+    rig.ckpt.close()
+    assert interrupted
+    assert [(e.step, e.complete) for e in fs.scan_checkpoints(str(rig.folder))] == [(2, True), (3, True)]
+    rig.train(4)  # the next purge also removes the leftover
+    rig.ckpt.close()
+    assert _steps(rig.folder) == ["step-3", "step-4"]
+
+
 def test_incomplete_and_corrupt_are_skipped(tmp_path, caplog):
     rig = Rig(tmp_path)
     rig.train(4)

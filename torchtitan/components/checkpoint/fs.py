@@ -33,6 +33,10 @@ FORMAT_VERSION = 2
 CHECKSUM_SIDECAR = ".checksums."
 """``.checksums.<rank>``: the CRC32 of the data files one rank wrote (merged into the marker)."""
 SUPERSEDED = ".superseded-"
+DELETING_SUFFIX = ".deleting" + TMP_SUFFIX
+"""A checkpoint being deleted is renamed ``step-N.deleting.tmp`` first (see
+:func:`delete_checkpoint`); a leftover one is removed by the next purge."""
+LEFTOVER_SUFFIXES = (f".replaced{TMP_SUFFIX}", DELETING_SUFFIX)
 
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 
@@ -231,6 +235,22 @@ def commit_checkpoint(
     return aside
 
 
+def delete_checkpoint(path: str) -> None:
+    """Delete a checkpoint folder so that no interruption leaves a half-deleted ``step-N``
+    that still looks committed: a committed one is renamed ``step-N.deleting.tmp`` first (an
+    atomic rename), then removed. Unfinished writes (``*.tmp``) are removed directly."""
+    doomed = path
+    if not path.rstrip("/").endswith(TMP_SUFFIX):
+        doomed = path.rstrip("/") + DELETING_SUFFIX
+        shutil.rmtree(doomed, ignore_errors=True)  # a leftover of an earlier interrupted delete
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return
+        _fsync_dir(os.path.dirname(doomed) or ".")
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def purge_candidates(
     folder: str, keep_latest_k: int, protect: Iterable[str] = ()
 ) -> list[str]:
@@ -250,10 +270,10 @@ def purge_candidates(
     for e in entries:
         if e.path.endswith(TMP_SUFFIX) and os.path.abspath(e.path) not in protected:
             doomed.append(e.path)
-    # also ".replaced.tmp" leftovers are *.tmp but not step-N.tmp: remove them too
+    # leftovers of an interrupted replace or delete are *.tmp but not step-N.tmp: remove them too
     if os.path.isdir(folder):
         for name in os.listdir(folder):
-            if name.endswith(f".replaced{TMP_SUFFIX}"):
+            if name.endswith(LEFTOVER_SUFFIXES):
                 doomed.append(os.path.join(folder, name))
     newest = complete[-1].path if complete else None
     return [p for p in doomed if p != newest and os.path.abspath(p) not in protected]

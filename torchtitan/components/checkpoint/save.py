@@ -285,7 +285,7 @@ class CheckpointSaver:
         def run() -> None:
             for path in doomed:
                 logger.info(f"Checkpoint: keep_latest_k={k}: deleting {path}")
-                shutil.rmtree(path, ignore_errors=True)
+                fs.delete_checkpoint(path)
 
         self._purge_thread = threading.Thread(target=run, name="checkpoint-purge", daemon=True)
         self._purge_thread.start()
