@@ -3,9 +3,12 @@
 
     python scripts/chaos_kill_resume.py                 # 20 trials, about 4 minutes on 2 cores
     python scripts/chaos_kill_resume.py --trials 5 --seed 1 --keep /tmp/chaos
+    python scripts/chaos_kill_resume.py --layout moe_ep   # 4 ranks, about 8 minutes
 
-Slow, not part of CI. Each trial runs the trainer (debugmodel_tiny, CPU, one process,
-deterministic) in a fresh folder, SIGKILLs it once, then reruns the same command to the end:
+Slow, not part of CI. Each trial runs the trainer in a fresh folder (``--layout tiny``:
+debugmodel_tiny, CPU, one process; ``moe_ep``: the Qwen3 MoE debug model on 4 gloo ranks under
+torchrun, expert parallel 2 x FSDP 2; both deterministic), SIGKILLs it once (every process of
+the job), then reruns the same command to the end:
 
 * the kill moment is random: at a random time during the run, or inside a save (sync or async,
   alternating) at a random step and phase (``write``: data files written, ``.metadata`` not
@@ -53,9 +56,20 @@ FLAGS = [
 ]
 
 
-def _cmd(dump: Path, async_mode: str) -> list[str]:
-    return [sys.executable, "-m", "torchtitan.train", *FLAGS, "--job.dump_folder", str(dump),
-            "--checkpoint.async_mode", async_mode]
+LAYOUTS = {
+    "tiny": ([sys.executable, "-m", "torchtitan.train"], FLAGS),
+    "moe_ep": (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+         "--tee", "3", "-m", "torchtitan.train"],
+        ["--job.config_file", "./train_configs/qwen3_debugmodel_moe.toml",
+         "--parallelism.expert_parallel_degree", "2", *FLAGS[4:]],
+    ),
+}
+
+
+def _cmd(layout: str, dump: Path, async_mode: str) -> list[str]:
+    launcher, flags = LAYOUTS[layout]
+    return [*launcher, *flags, "--job.dump_folder", str(dump), "--checkpoint.async_mode", async_mode]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -92,7 +106,7 @@ def _run(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -
     """Run to the end, or SIGKILL ``kill_after`` s after training started. Returns the exit
     code, the output and the seconds from "Training starts" to "Training completed"."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
     lines: list[str] = []
     started = threading.Event()
     t0: list[float] = []
@@ -116,7 +130,7 @@ def _run(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -
             try:
                 proc.wait(timeout=max(0.0, t0[0] + kill_after - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
     proc.wait(timeout=600)
     reader.join(timeout=10)
     took = (t1[0] if t1 else time.monotonic()) - t0[0] if t0 else 0.0
@@ -125,6 +139,7 @@ def _run(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tiny")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the trial folders here (default: a temporary folder)")
@@ -139,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("disabled", "async"):
         dump = root / f"reference_{mode}"
         shutil.rmtree(dump, ignore_errors=True)
-        code, out, took = _run(_cmd(dump, mode), _env())
+        code, out, took = _run(_cmd(args.layout, dump, mode), _env())
         if code != 0:
             print(out[-3000:])
             raise SystemExit(f"the reference run ({mode}) failed")
@@ -157,15 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             where = f"inside the {'async' if mode == 'async' else 'sync'} save of step {step} ({phase})"
             extra = {"TORCHTITAN_CHECKPOINT_HOOKS": "tests.checkpoint_kill_hook:KillDuringSave",
                      "TORCHTITAN_TEST_KILL_AT": f"{step}:{phase}"}
-            code, out, _ = _run(_cmd(dump, mode), _env(extra))
+            code, out, _ = _run(_cmd(args.layout, dump, mode), _env(extra))
         else:
             delay = rng.uniform(0.0, durations[mode])
             where = f"{delay:.2f} s into training ({mode} saves)"
-            code, out, _ = _run(_cmd(dump, mode), _env(), kill_after=delay)
-        killed = code == -signal.SIGKILL
+            code, out, _ = _run(_cmd(args.layout, dump, mode), _env(), kill_after=delay)
+        killed = code != 0  # SIGKILLed, or (torchrun) a rank was
         totals["killed"] += killed
         ok, why = _committed_ok(dump)
-        code2, out2, _ = _run(_cmd(dump, mode), _env())
+        code2, out2, _ = _run(_cmd(args.layout, dump, mode), _env())
         loaded = re.search(r"Checkpoint: loaded .* from (\S+)", out2)
         fresh = "starting from scratch" in out2 or "nothing is loaded" in out2
         corrupt = not ok or code2 != 0 or not (loaded or fresh)
