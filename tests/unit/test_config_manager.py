@@ -136,6 +136,22 @@ def test_boolean_followed_by_value_is_rejected(word):
         parse("--profiling.enable_memory_snapshot", word)
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--model.use_flex_attn"], True),  # bare, last
+        (["--model.use_flex_attn", "--training.steps", "3"], True),  # bare, a flag follows
+        (["--model.no_use_flex_attn"], False),
+        (["--model.use_flex_attn", "False"], False),
+        (["--model.use_flex_attn=true"], True),
+        (["--model.use_flex_attn", "None"], None),  # back to the flavor's choice
+    ],
+)
+def test_optional_boolean_works_as_a_flag_and_takes_a_value(flags, expected):
+    """``bool | None`` (None: the flavor decides) is also a bare flag, as in upstream."""
+    assert parse(*flags).model.use_flex_attn is expected
+
+
 def test_hyphen_and_underscore_spellings_everywhere():
     cfg = parse(
         "--lr-scheduler.warmup-steps",

@@ -35,8 +35,14 @@ def test_single_device_has_no_parallelism():
         (8, dict(expert_parallel_degree=4, tensor_parallel_degree=2, data_parallel_shard_degree=2,
                  data_parallel_replicate_degree=2),
          r"must divide data_parallel_shard_degree=2 .*; TP ranks are not borrowed \(they share "
-         r"their tokens\): to spread experts over TP as well, set "
-         r"parallelism.expert_tensor_parallel_degree=2$"),
+         r"their tokens\): to use them for the experts too, set "
+         r"parallelism.expert_tensor_parallel_degree=2 \(each expert's hidden dimension split "
+         r"over TP\) with an expert_parallel_degree that divides 2$"),
+        # expert TP already on: the line must not suggest turning it on
+        (2, dict(expert_parallel_degree=2, tensor_parallel_degree=2,
+                 expert_tensor_parallel_degree=2),
+         r"must divide data_parallel_shard_degree=1 .*; TP ranks are not borrowed \(they share "
+         r"their tokens; expert_tensor_parallel_degree=2 already splits each expert over them\)$"),
     ],
 )
 def test_invalid_layouts(world, kw, needle):

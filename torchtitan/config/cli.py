@@ -202,6 +202,12 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
             _no_value(argv, i, inline, target)
             ops.append(("set", target, not negated))
             continue
+        if field.is_optional_bool and (
+            negated or (inline is None and (i >= len(argv) or looks_like_flag(argv[i])))
+        ):  # ``bool | None`` also works as a bare flag: --x.key (True), --x.no_key (False)
+            _no_value(argv, i, inline, target)
+            ops.append(("set", target, not negated))
+            continue
         if negated:  # --x.no_key for a key that is not a boolean
             raise ConfigError(_unknown_flag(name, fields))
         text, i = _value(argv, i, inline, target)

@@ -87,6 +87,11 @@ class Field:
     def is_bool(self) -> bool:
         return self.tp is bool
 
+    @property
+    def is_optional_bool(self) -> bool:
+        """``bool | None`` (None: decided elsewhere, e.g. by the model flavor)."""
+        return split_optional(self.tp) == (bool, True)
+
 
 def leaf_fields(cls: type, prefix: str = "") -> dict[str, Field]:
     """Every settable leaf field of ``cls`` by dotted key (nested dataclasses flattened)."""

@@ -93,11 +93,20 @@ class ParallelDims:
                     f"{self.cp} = {self.dp_shard * self.cp}"
                 )
                 hint = ""
-                if self.tp > 1 and (self.dp_shard * self.cp * self.tp) % self.ep == 0:
+                if self.tp > 1 and self.etp == self.tp:
                     hint = (
-                        "; TP ranks are not borrowed (they share their tokens): to spread "
-                        "experts over TP as well, set parallelism.expert_tensor_parallel_degree="
-                        f"{self.tp}"
+                        "; TP ranks are not borrowed (they share their tokens; "
+                        f"expert_tensor_parallel_degree={self.tp} already splits each expert "
+                        "over them)"
+                    )
+                elif self.tp > 1 and (self.dp_shard * self.cp * self.tp) % self.ep == 0:
+                    n = self.dp_shard * self.cp
+                    hint = (
+                        "; TP ranks are not borrowed (they share their tokens): to use them for "
+                        "the experts too, set parallelism.expert_tensor_parallel_degree="
+                        f"{self.tp} (each expert's hidden dimension split over TP) with "
+                        + (f"an expert_parallel_degree that divides {n}" if n > 1
+                           else "expert_parallel_degree=1")
                     )
                 raise ParallelismError(
                     f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
