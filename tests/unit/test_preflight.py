@@ -116,6 +116,20 @@ def test_pipeline_plan_is_checked_without_building_the_model():
         check_run(cfg, 2, on_this_machine=False)
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_zero_bubble_schedules_refuse_compiled_blocks(schedule):
+    """torch's split-backward schedules do not run compiled stages (with block AC the compiled
+    block hides inside its wrapper and the run died in backward with 'donated buffers')."""
+    flags = ("--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_schedule", schedule,
+             "--training.local_batch_size", "8")
+    with pytest.raises(ValueError, match=f"schedule={schedule} splits each backward in two"):
+        check_run(cfg_of(*flags, "--compile.enable"), 2, on_this_machine=False)
+    check_run(cfg_of(*flags), 2, on_this_machine=False)
+    check_run(cfg_of(*flags, "--compile.enable", "--compile.components", "loss"), 2,
+              on_this_machine=False)
+
+
 def test_async_tp_policy_refused_on_cpu_only():
     cfg = cfg_of("--parallelism.tensor_parallel_degree", "2", "--compile.enable",
                  "--parallelism.enable_async_tensor_parallel")

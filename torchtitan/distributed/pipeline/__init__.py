@@ -19,6 +19,7 @@ from torchtitan.distributed.pipeline.schedules import (
     build_pipeline_stages,
     check_microbatches,
     check_pipeline_composition,
+    check_schedule_with_compile,
     n_microbatches_for,
 )
 from torchtitan.distributed.pipeline.stage_fqns import (
@@ -34,6 +35,7 @@ __all__ = [
     "build_pipeline_stages",
     "check_microbatches",
     "check_pipeline_composition",
+    "check_schedule_with_compile",
     "generate_fqns_per_stage",
     "get_schedule_class",
     "n_microbatches_for",

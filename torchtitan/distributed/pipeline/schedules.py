@@ -10,6 +10,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
     _PipelineSchedule,
 )
 
@@ -93,6 +95,29 @@ def check_microbatches(layout: PipelineLayout, n_microbatches: int, pp: int) -> 
         logger.warning(
             f"{n_microbatches} pipeline microbatches for {layout.num_stages} stages: the pipeline "
             "bubble will dominate; use more microbatches"
+        )
+
+
+# Schedules that split each backward into input- and weight-gradient passes; torch refuses
+# them for compiled stage modules.
+_SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def check_schedule_with_compile(layout: PipelineLayout, model_compiled: bool) -> None:
+    """Refuse a zero-bubble schedule with compiled blocks (one line, before any work).
+
+    torch 2.13 stops such a schedule when a stage holds a compiled module; a block compiled in
+    place inside its activation-checkpoint wrapper slips past that check and fails in the first
+    backward instead ("compiled with non-empty donated buffers which requires ...
+    retain_graph=False"): the split backward keeps the graph for the weight pass.
+    """
+    cls = layout.schedule_class
+    if model_compiled and cls in _SPLIT_BACKWARD_SCHEDULES:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={schedule_name(cls)} splits each backward "
+            "in two (input and weight gradients), which torch's pipelining does not support "
+            "for compiled blocks; use another schedule (1F1B, Interleaved1F1B, ...) or leave "
+            "'model' out of compile.components"
         )
 
 

@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.compile import model_compile_enabled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import (
     Pipeline,
     build_pipeline_stages,
     check_microbatches,
     check_pipeline_composition,
+    check_schedule_with_compile,
     n_microbatches_for,
     pipeline_module_split,
     resolve_pipeline_layout,
@@ -52,6 +54,7 @@ def pipeline_llama(
     )
     n_microbatches = n_microbatches_for(cfg, job_config.training.local_batch_size)
     check_microbatches(layout, n_microbatches, cfg.pipeline_parallel_degree)
+    check_schedule_with_compile(layout, model_compile_enabled(job_config.compile))
     parts = pipeline_module_split(model, layout)
     if parallelize_fn is not None:
         parts = [parallelize_fn(part, parallel_dims, job_config) for part in parts]
