@@ -272,13 +272,6 @@ def apply_data_parallel(
     Inside :func:`data_parallel_override` the given function is applied instead (e.g.
     gather-on-use DTensor parameters under LocalTensorMode, where ``fully_shard`` cannot run).
     """
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        if parallel_dims.tp_enabled:
-            raise ValueError(
-                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
-                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
-                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
-            )
     if _override is not None:
         return _override(
             model, parallel_dims, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
