@@ -102,12 +102,13 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
 def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, model_args: Any,
                     model: Any) -> None:
     """The pipeline plan for pp rank 0, cut from the model on ``meta`` (no memory, no data)."""
+    from torchtitan.distributed.activation_checkpoint import uses_op_sac
     from torchtitan.distributed.compile import model_compile_enabled
     from torchtitan.distributed.parallel_dims import ParallelismError
     from torchtitan.distributed.pipeline import (
         check_microbatches,
         check_pipeline_composition,
-        check_schedule_with_compile,
+        check_split_backward_schedule,
         n_microbatches_for,
         resolve_pipeline_layout,
     )
@@ -128,7 +129,9 @@ def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, mode
     layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
     n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)
     check_microbatches(layout, n_microbatches, p.pipeline_parallel_degree)
-    check_schedule_with_compile(layout, model_compile_enabled(cfg.compile))
+    check_split_backward_schedule(
+        layout, model_compile_enabled(cfg.compile), uses_op_sac(cfg.activation_checkpoint)
+    )
 
 
 def _check_components(cfg: JobConfig, device_type: str) -> None:

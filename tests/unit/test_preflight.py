@@ -128,6 +128,12 @@ def test_zero_bubble_schedules_refuse_compiled_blocks(schedule):
     check_run(cfg_of(*flags), 2, on_this_machine=False)
     check_run(cfg_of(*flags, "--compile.enable", "--compile.components", "loss"), 2,
               on_this_machine=False)
+    # op-level SAC allows one backward per block; these schedules run two
+    op_sac = ("--activation_checkpoint.mode", "selective",
+              "--activation_checkpoint.selective_ac_option", "op")
+    with pytest.raises(ValueError, match="op-level selective activation checkpointing allows one"):
+        check_run(cfg_of(*flags, *op_sac), 2, on_this_machine=False)
+    check_run(cfg_of(*flags, "--activation_checkpoint.mode", "full"), 2, on_this_machine=False)
 
 
 def test_async_tp_policy_refused_on_cpu_only():

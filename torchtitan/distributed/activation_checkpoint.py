@@ -99,6 +99,11 @@ def _validate(cfg: ActivationCheckpoint) -> None:
         selective_every_n(cfg.selective_ac_option)
 
 
+def uses_op_sac(cfg: ActivationCheckpoint) -> bool:
+    """True for op-level selective checkpointing (``selective`` with option ``"op"``)."""
+    return cfg.mode == "selective" and selective_every_n(cfg.selective_ac_option) is None
+
+
 def selective_every_n(option: str) -> int | None:
     """``"op"`` -> None; ``"N"`` -> N (a positive int); anything else raises ValueError."""
     option = str(option).strip()

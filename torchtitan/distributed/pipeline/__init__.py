@@ -19,7 +19,7 @@ from torchtitan.distributed.pipeline.schedules import (
     build_pipeline_stages,
     check_microbatches,
     check_pipeline_composition,
-    check_schedule_with_compile,
+    check_split_backward_schedule,
     n_microbatches_for,
 )
 from torchtitan.distributed.pipeline.stage_fqns import (
@@ -35,7 +35,7 @@ __all__ = [
     "build_pipeline_stages",
     "check_microbatches",
     "check_pipeline_composition",
-    "check_schedule_with_compile",
+    "check_split_backward_schedule",
     "generate_fqns_per_stage",
     "get_schedule_class",
     "n_microbatches_for",

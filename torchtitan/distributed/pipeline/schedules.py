@@ -98,26 +98,37 @@ def check_microbatches(layout: PipelineLayout, n_microbatches: int, pp: int) -> 
         )
 
 
-# Schedules that split each backward into input- and weight-gradient passes; torch refuses
-# them for compiled stage modules.
+# Schedules that split each backward into input- and weight-gradient passes.
 _SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
 
 
-def check_schedule_with_compile(layout: PipelineLayout, model_compiled: bool) -> None:
-    """Refuse a zero-bubble schedule with compiled blocks (one line, before any work).
+def check_split_backward_schedule(layout: PipelineLayout, model_compiled: bool,
+                                  op_sac: bool) -> None:
+    """Refuse what a zero-bubble schedule cannot run (one line, before any work).
 
-    torch 2.13 stops such a schedule when a stage holds a compiled module; a block compiled in
-    place inside its activation-checkpoint wrapper slips past that check and fails in the first
-    backward instead ("compiled with non-empty donated buffers which requires ...
-    retain_graph=False"): the split backward keeps the graph for the weight pass.
+    These schedules run two backward passes through every block (input gradients, then weight
+    gradients). torch 2.13 stops them when a stage holds a compiled module, and a block
+    compiled in place inside its activation-checkpoint wrapper slips past that check and fails
+    in the first backward instead ("compiled with non-empty donated buffers"). Op-level SAC
+    allows one backward per checkpointed region ("Trying to backward an extra time").
     """
     cls = layout.schedule_class
-    if model_compiled and cls in _SPLIT_BACKWARD_SCHEDULES:
+    if cls not in _SPLIT_BACKWARD_SCHEDULES:
+        return
+    name = schedule_name(cls)
+    if model_compiled:
         raise ValueError(
-            f"parallelism.pipeline_parallel_schedule={schedule_name(cls)} splits each backward "
-            "in two (input and weight gradients), which torch's pipelining does not support "
-            "for compiled blocks; use another schedule (1F1B, Interleaved1F1B, ...) or leave "
+            f"parallelism.pipeline_parallel_schedule={name} splits each backward in two "
+            "(input and weight gradients), which torch's pipelining does not support for "
+            "compiled blocks; use another schedule (1F1B, Interleaved1F1B, ...) or leave "
             "'model' out of compile.components"
+        )
+    if op_sac:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={name} splits each backward in two "
+            "(input and weight gradients), and op-level selective activation checkpointing "
+            "allows one backward per block; use activation_checkpoint.mode full (or selective "
+            "with a layer count) or another schedule (1F1B, Interleaved1F1B, ...)"
         )
 
 

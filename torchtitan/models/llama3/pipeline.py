@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import uses_op_sac
 from torchtitan.distributed.compile import model_compile_enabled
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import (
@@ -16,7 +17,7 @@ from torchtitan.distributed.pipeline import (
     build_pipeline_stages,
     check_microbatches,
     check_pipeline_composition,
-    check_schedule_with_compile,
+    check_split_backward_schedule,
     n_microbatches_for,
     pipeline_module_split,
     resolve_pipeline_layout,
@@ -54,7 +55,11 @@ def pipeline_llama(
     )
     n_microbatches = n_microbatches_for(cfg, job_config.training.local_batch_size)
     check_microbatches(layout, n_microbatches, cfg.pipeline_parallel_degree)
-    check_schedule_with_compile(layout, model_compile_enabled(job_config.compile))
+    check_split_backward_schedule(
+        layout,
+        model_compile_enabled(job_config.compile),
+        uses_op_sac(job_config.activation_checkpoint),
+    )
     parts = pipeline_module_split(model, layout)
     if parallelize_fn is not None:
         parts = [parallelize_fn(part, parallel_dims, job_config) for part in parts]

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Random parallel layouts x features on the debug models: every run must train or stop with
+one line and exit 2; a resume at another random layout must load the checkpoint and train on.
+
+    python scripts/layout_sweep.py --trials 14 --seed 5      # about 6 minutes on 2 CPU cores
+
+Slow, not part of CI. Each trial draws a model (Llama 3 tiny, Qwen3, Qwen3 MoE, DeepSeek-V3
+debug), NGPU in {1, 2, 4}, degrees for TP / PP (and a schedule) / CP / replicate, expert
+parallel and expert TP for MoE models, compile (aot_eager or inductor), AC, document masking
+(SDPA or FlexAttention), float8 (emulated) and gradient accumulation, and runs 2 steps through
+``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same
+model resumes it to step 3 (redrawn while it is refused as a user error). Verdicts:
+
+* ``ok``: exit 0, steps logged (and, for a resume, "Checkpoint: loaded");
+* ``user-error``: exit 2 with an ``error:`` line at the start of a line and no traceback;
+* ``BUG``: anything else (a traceback, another exit code, a hang past ``--timeout``); the
+  run's whole output is kept next to its dump folder as ``<dump>.log``.
+
+Exits 1 when any trial is a BUG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = [  # (config, extra flags, has experts)
+    ("train_configs/debug_model.toml", ["--model.flavor", "debugmodel_tiny"], False),
+    ("train_configs/qwen3_debugmodel.toml", [], False),
+    ("train_configs/qwen3_debugmodel_moe.toml", [], True),
+    ("train_configs/deepseek_v3_debugmodel.toml", [], True),
+]
+SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble"]
+
+
+def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int) -> tuple[int, list[str]]:
+    """(NGPU, trainer flags) of one random run."""
+    ngpu = rng.choice([1, 2, 2, 4, 4])
+    local_batch = rng.choice([2, 4])
+    flags = [*extra, "--training.steps", str(steps), "--training.seq_len", rng.choice(["64", "128"]),
+             "--training.local_batch_size", str(local_batch), "--metrics.log_freq", "1",
+             "--checkpoint.enable", "--checkpoint.interval", "1", "--debug.seed", "7"]
+    left = ngpu
+    degrees = {}
+    for name in ("tensor", "pipeline", "context", "data_parallel_replicate"):
+        degree = rng.choice([d for d in (1, 1, 2) if left % d == 0])
+        left //= degree
+        degrees[name] = degree
+        if degree > 1:
+            key = name if name.startswith("data") else f"{name}_parallel"
+            flags += [f"--parallelism.{key}_degree", str(degree)]
+    if moe and rng.random() < 0.6:
+        flags += ["--parallelism.expert_parallel_degree", str(rng.choice([2, 2, 4]))]
+        if degrees["tensor"] > 1 and rng.random() < 0.5:
+            flags += ["--parallelism.expert_tensor_parallel_degree", str(degrees["tensor"])]
+    if degrees["pipeline"] > 1:
+        flags += ["--parallelism.pipeline_parallel_schedule", rng.choice(SCHEDULES)]
+    if rng.random() < 0.35:
+        flags += ["--compile.enable", "--compile.backend", rng.choice(["aot_eager", "inductor"])]
+    flags += ["--activation_checkpoint.mode", rng.choice(["none", "full", "selective"]),
+              "--activation_checkpoint.selective_ac_option", rng.choice(["op", "2"])]
+    if rng.random() < 0.25:
+        flags += ["--model.attn_mask_type", "block_causal"]
+        if rng.random() < 0.5:
+            flags += ["--model.use_flex_attn"]
+    if rng.random() < 0.2:
+        flags += ["--model.converters", "float8", "--float8.emulate"]
+    if rng.random() < 0.2:  # two microbatches per step
+        dp = left * degrees["data_parallel_replicate"]
+        flags += ["--training.global_batch_size", str(2 * local_batch * dp)]
+    return ngpu, flags
+
+
+def run(config: str, ngpu: int, flags: list[str], dump: Path, resume: bool, timeout: int) -> str:
+    """Run one layout; print and return its verdict."""
+    env = dict(os.environ, NGPU=str(ngpu), CONFIG_FILE=config, PYTHONWARNINGS="ignore")
+    cmd = ["./run_train.sh", "--job.dump_folder", str(dump), *flags]
+    begin = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+        code, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = "timeout"
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    trained = re.search(r"step:\s+\d", out) is not None
+    if code == 0 and trained and (not resume or "Checkpoint: loaded" in out):
+        verdict = "ok"
+    elif code == 2 and errors and "Traceback" not in out:
+        verdict = "user-error"
+    else:
+        verdict = "BUG"
+        Path(f"{dump}.log").write_text(out)
+    took = time.monotonic() - begin
+    print(f"{'  resume' if resume else 'run'} {verdict} (exit {code}, {took:.0f} s) NGPU={ngpu} "
+          f"{Path(config).name} {' '.join(flags)}", flush=True)
+    if verdict == "user-error":
+        print(f"    {errors[0]}", flush=True)
+    if verdict == "BUG":
+        print(f"    see {dump}.log", flush=True)
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--trials", type=int, default=14)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per run")
+    parser.add_argument("--folder", default="/tmp/layout_sweep", help="dump folders go here")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    verdicts: list[str] = []
+    for trial in range(args.trials):
+        config, extra, moe = rng.choice(MODELS)
+        dump = Path(args.folder) / f"seed{args.seed}_trial{trial:02d}"
+        shutil.rmtree(dump, ignore_errors=True)
+        print(f"trial {trial}:", flush=True)
+        ngpu, flags = draw_layout(rng, extra, moe, steps=2)
+        verdicts.append(run(config, ngpu, flags, dump, False, args.timeout))
+        if verdicts[-1] != "ok":
+            continue
+        for _ in range(5):
+            ngpu, flags = draw_layout(rng, extra, moe, steps=3)
+            verdicts.append(run(config, ngpu, flags, dump, True, args.timeout))
+            if verdicts[-1] != "user-error":
+                break
+    counts = {v: verdicts.count(v) for v in ("ok", "user-error", "BUG")}
+    print(f"\n{len(verdicts)} runs: {counts['ok']} ok, {counts['user-error']} user errors, "
+          f"{counts['BUG']} BUG")
+    return 1 if counts["BUG"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
