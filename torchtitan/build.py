@@ -34,7 +34,6 @@ from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.compile import isolate_compile_cache
-from torchtitan.distributed.context_parallel import check_context_parallel_model
 from torchtitan.distributed.expert_parallel import expert_grad_scaler
 from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
@@ -162,11 +161,9 @@ def check_expert_parallel(cfg: JobConfig, parallel_dims: ParallelDims, model: An
             raise ParallelismError(str(err)) from None
 
 
-def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
-    """What context parallel needs beyond the mesh rules: an attention kind ring attention
-    can split, and validation batches as long as training ones (the RoPE table is sharded
-    for ``training.seq_len``)."""
-    check_context_parallel_model(model_args)
+def check_context_parallel(cfg: JobConfig, cp: int) -> None:
+    """What context parallel needs beyond the mesh rules: validation batches as long as
+    training ones (the RoPE table is sharded for ``training.seq_len``)."""
     if cfg.validation.enable and cfg.validation.seq_len != cfg.training.seq_len:
         raise ValueError(
             f"validation.seq_len={cfg.validation.seq_len} must equal training.seq_len="
@@ -249,7 +246,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         seq_len=cfg.training.seq_len,
     )
     if parallel_dims.cp_enabled:
-        check_context_parallel(cfg, model_args, parallel_dims.cp)
+        check_context_parallel(cfg, parallel_dims.cp)
     check_validation_seq_len(cfg, model_args)
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)

@@ -18,6 +18,7 @@ from torchtitan.build import RunParts
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline.evaluation import local_value
+from torchtitan.models.common.document_mask import uses_attention_mask
 from torchtitan.models.common.moe import update_load_balance_bias
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -36,15 +37,23 @@ def sequence_context(
     run: RunParts, inputs: torch.Tensor, labels: torch.Tensor
 ) -> contextlib.AbstractContextManager:
     """Context parallel: shard ``inputs``/``labels`` (in place, for good) and every model
-    part's RoPE table along the sequence, and run attention as ring attention. A no-op
-    without CP."""
+    part's RoPE table along the sequence, and run causal attention as ring attention (masked
+    attention: against all-gathered keys/values). A no-op without CP."""
     cp_mesh = run.parallel_dims.get_mesh("cp")
     if cp_mesh is None:
         return contextlib.nullcontext()
-    from torchtitan.distributed.context_parallel import context_parallel_context
+    from torchtitan.distributed import context_parallel as cp
 
     rope_tables = [part.freqs_cis for part in run.model_parts]
-    return context_parallel_context(
+    if uses_attention_mask(run.model_args):
+        return cp.masked_context_parallel_context(
+            cp_mesh,
+            buffers=[inputs, labels, *rope_tables],
+            seq_dims=[1, 1, *[0] * len(rope_tables)],
+            no_restore={inputs, labels},
+            load_balance=run.parallel_dims.cp_load_balance,
+        )
+    return cp.context_parallel_context(
         cp_mesh,
         buffers=[inputs, labels, *rope_tables],
         seq_dims=[1, 1, *[0] * len(rope_tables)],
@@ -59,10 +68,7 @@ def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]
     tokenizer's BOS/EOS in ``inputs``) when the model masks attention by document (or uses a
     window or FlexAttention: the ids give every model part the batch's shape). Built here,
     once per batch, so every model part (pipeline stages too) gets the document boundaries."""
-    args = run.model_args
-    if getattr(args, "attn_mask_type", "causal") == "causal" and not (
-        getattr(args, "sliding_window_size", None) or getattr(args, "use_flex_attn", False)
-    ):
+    if not uses_attention_mask(run.model_args):
         return {}
     from torchtitan.models.common.document_mask import document_ids
 

@@ -7,7 +7,9 @@ rotate methods; and with full activation checkpointing + per-block compile), CP2
 FSDP2, CP2 x TP2 vs TP2, CP2 x PP2 vs PP2, CP2 x DDP2 (HSDP over replicate x cp) vs DDP2.
 Head-tail load balancing is on (causal attention), except in CP2 with
 ``context_parallel_load_balancer none`` vs one device; which positions each rank holds under
-either setting is checked directly. Per-step loss and grad norm over 4 AdamW steps, and a
+either setting is checked directly. Masked attention (block-causal documents, a sliding
+window), which CP runs against all-gathered keys/values: CP2, CP2 unbalanced, CP2 with a window
++ full AC + compile, CP2 x PP2 and CP2 x TP2 (with a window) vs one device with the same mask. Per-step loss and grad norm over 4 AdamW steps, and a
 validation loss after them, agree within rtol/atol 1e-5: ring attention merges per-block
 softmax results through their log-sum-exp in fp32, so CP changes only the order of fp32 sums
 (measured differences are around 1e-6); a lost block, a wrong causal mask or a wrong token
@@ -42,8 +44,10 @@ NO_DP = ["--parallelism.data_parallel_shard_degree", "1"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 ALLTOALL = ["--parallelism.context_parallel_rotate_method", "alltoall"]
+DOCS = ["--model.attn_mask_type", "block_causal"]
+WINDOW = ["--model.sliding_window_size", "8"]
 
-ONE_RANK = {"one": []}
+ONE_RANK = {"one": [], "one_docs": DOCS, "one_docs_window": [*DOCS, *WINDOW]}
 TWO_RANKS = {
     "cp2_allgather": [*CP2, *NO_DP],
     "cp2_alltoall": [*CP2, *NO_DP, *ALLTOALL],
@@ -54,12 +58,19 @@ TWO_RANKS = {
     "cp2_ac_compile": [*CP2, *NO_DP, "--activation_checkpoint.mode", "full",
                        "--compile.enable", "--compile.backend", "aot_eager"],
     "cp2_unbalanced": [*CP2, *NO_DP, "--parallelism.context_parallel_load_balancer", "none"],
+    "cp2_docs": [*CP2, *NO_DP, *DOCS],
+    "cp2_docs_window_ac_compile": [*CP2, *NO_DP, *DOCS, *WINDOW, "--activation_checkpoint.mode",
+                                   "full", "--compile.enable", "--compile.backend", "aot_eager"],
+    "cp2_docs_unbalanced": [*CP2, *NO_DP, *DOCS,
+                            "--parallelism.context_parallel_load_balancer", "none"],
 }
 FOUR_RANKS = {
     "cp2_fsdp2": [*CP2, *FSDP2],
     "cp2_tp2": [*CP2, *TP2, *NO_DP],
     "cp2_pp2": [*CP2, *PP2, *NO_DP],
     "cp2_ddp2": [*CP2, *NO_DP, "--parallelism.data_parallel_replicate_degree", "2"],
+    "cp2_pp2_docs": [*CP2, *PP2, *NO_DP, *DOCS],
+    "cp2_tp2_docs_window": [*CP2, *TP2, *NO_DP, *DOCS, *WINDOW],
 }
 PAIRS = [
     ("cp2_allgather", "one"),
@@ -70,6 +81,11 @@ PAIRS = [
     ("cp2_ddp2", "ddp2"),
     ("cp2_ac_compile", "one"),
     ("cp2_unbalanced", "one"),
+    ("cp2_docs", "one_docs"),
+    ("cp2_docs_window_ac_compile", "one_docs_window"),
+    ("cp2_docs_unbalanced", "one_docs"),
+    ("cp2_pp2_docs", "one_docs"),
+    ("cp2_tp2_docs_window", "one_docs_window"),
 ]
 
 
@@ -111,6 +127,14 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
 def test_reference_trains(runs):
     losses = runs["one"][0]["loss"]
     assert len(losses) == STEPS and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("masked, plain", [("one_docs", "one"), ("one_docs_window", "one_docs")])
+def test_masked_references_differ(masked, plain, runs):
+    """The data has documents and the window is shorter than the sequence, so the masked CP
+    pairs test the masks: their references differ from the less-masked ones."""
+    diff = max(abs(a - b) for a, b in zip(runs[masked][0]["loss"], runs[plain][0]["loss"]))
+    assert diff > 1e-3, f"{masked} vs {plain}: max loss difference {diff}"
 
 
 @pytest.mark.parametrize("cp_layout, reference", PAIRS, ids=[p[0] for p in PAIRS])

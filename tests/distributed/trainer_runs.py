@@ -32,9 +32,18 @@ BASE_ARGS = [
 ]
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, separators: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens; with ``separators`` (BOS, EOS ids) each row holds three documents, cut
+    at row-dependent places (so block-causal attention differs from causal)."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    if separators is not None:
+        bos, eos = separators
+        for row in range(GLOBAL_BATCH):
+            for end in (9 + 3 * row, 37 + row):
+                tokens[row, end], tokens[row, end + 1] = eos, bos
     inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     labels[:4, : SEQ_LEN * 3 // 4] = -100  # rank 0's half: a quarter of its labels count
     return inputs, labels
@@ -43,15 +52,16 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 class FixedBatches:
     """This data-parallel rank's rows of each step's global batch, ``rows`` at a time."""
 
-    def __init__(self, dp_rank: int, dp_degree: int, rows: int, first_step: int = 0):
+    def __init__(self, dp_rank: int, dp_degree: int, rows: int, first_step: int = 0,
+                 separators: tuple[int, int] | None = None):
         self.dp_rank, self.dp_degree, self.rows = dp_rank, dp_degree, rows
-        self.first_step = first_step
+        self.first_step, self.separators = first_step, separators
 
     def __iter__(self):
         per_rank = GLOBAL_BATCH // self.dp_degree
         step = self.first_step
         while True:
-            inputs, labels = global_batch(step)
+            inputs, labels = global_batch(step, self.separators)
             lo = self.dp_rank * per_rank
             for start in range(lo, lo + per_rank, self.rows):
                 yield inputs[start : start + self.rows], labels[start : start + self.rows]
@@ -97,8 +107,10 @@ def run_trainer(argv: list[str]) -> dict[str, list[float]]:
     try:
         assert trainer.checkpointer.load(step=cfg.checkpoint.load_step)  # seed or resume
         record["first_step"] = [trainer.step + 1]
+        tokenizer = trainer.run.tokenizer
         batches = FixedBatches(
-            dims.mesh_local_rank("dp"), dims.dp_degree, cfg.training.local_batch_size, trainer.step
+            dims.mesh_local_rank("dp"), dims.dp_degree, cfg.training.local_batch_size, trainer.step,
+            separators=(tokenizer.bos_id, tokenizer.eos_id),
         )
         iterator = iter(trainer.dataloader if real_data else batches)
         while trainer.step < cfg.training.steps:

@@ -213,18 +213,45 @@ def test_attention_config_keys(tmp_path):
         apply_attention_config(cfg, custom)
 
 
-def test_context_parallel_refuses_document_masks_in_one_line():
-    from torchtitan.distributed.context_parallel import check_context_parallel_model
+MASKS = [("block_causal", None), ("causal", 5), ("block_causal", 4), ("causal", None)]
 
-    check_context_parallel_model(tiny_args())  # plain causal SDPA: ring attention splits it
-    for kw, needle in (
-        (dict(attn_mask_type="block_causal"), "causal attention only; this flavor's attn_mask_type is 'block_causal'"),
-        (dict(use_flex_attn=True), "needs SDPA attention; this flavor uses FlexAttention"),
-        (dict(sliding_window_size=64), "model.sliding_window_size=64 needs a mask"),
-    ):
-        with pytest.raises(ValueError, match=needle) as err:
-            check_context_parallel_model(tiny_args(**kw))
-        assert "\n" not in str(err.value)
+
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
+@pytest.mark.parametrize("load_balance", [True, False], ids=["head_tail", "contiguous"])
+def test_a_sequence_shard_attends_like_its_rows_of_the_whole_sequence(
+    flex, load_balance, monkeypatch
+):
+    """Context parallel with a mask: each of 2 ranks holds some positions of every row and
+    attends to the gathered keys/values under its rows of the mask; that equals those rows of
+    attention over the whole sequence, for documents, windows and both (FlexAttention forward
+    runs on CPU; its backward does not, so the trainer uses the boolean mask there)."""
+    from torchtitan.distributed.context_parallel import sequence_order
+
+    monkeypatch.setattr(document_mask, "flex_supported", lambda device: True)
+    torch.manual_seed(0)
+    rows, heads, seq, dim = 2, 3, 16, 8
+    q, k, v = (torch.randn(rows, heads, seq, dim) for _ in range(3))
+    tokens = torch.randint(3, 50, (rows, seq))
+    tokens[0, 5], tokens[0, 11], tokens[1, 7] = BOS, EOS, BOS
+    docs = document_mask.document_ids(tokens, BOS, EOS)
+    cpu = torch.device("cpu")
+    order = sequence_order(seq, 2, load_balance)
+    assert sorted(order.tolist()) == list(range(seq))
+    for mask_type, window in MASKS:
+        kw = dict(mask_type=mask_type, doc_ids=docs, seq_len=seq, batch_size=rows,
+                  device=cpu, sliding_window=window, use_flex=flex)
+        whole = document_mask.attend(q, k, v, build_attention_mask(**kw), compiled_flex=False)
+        for rank in range(2):
+            mine = order.view(2, -1)[rank]
+            shard = document_mask.SequenceShard(
+                mine, order, lambda _k, _v: (k[:, :, order], v[:, :, order]))
+            mask = build_attention_mask(**kw, shard=shard)
+            assert isinstance(mask, document_mask.ShardedMask)
+            out = document_mask.attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], mask,
+                                       compiled_flex=False)
+            where = f"{mask_type} window {window} rank {rank}"
+            torch.testing.assert_close(out, whole[:, :, mine], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, where=where: f"{where}: {m}")
 
 
 def _family_models(family: str, flavor: str):

@@ -16,15 +16,16 @@ from torchtitan.distributed.utils import dist_reduce
 if TYPE_CHECKING:
     from torchtitan.build import RunParts
 
-BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchLoss = Callable[..., torch.Tensor]
 
 
 class Validator:
     """Runs the model over a validation dataloader every ``freq`` steps.
 
-    ``batch_loss(inputs, labels)`` returns one batch's summed token loss: the model's forward
-    and the loss function, or a forward-only pass through pipeline stages. It runs inside
-    ``loss_context(inputs, labels)`` (loss parallel, context parallel).
+    ``batch_loss(inputs, labels, **batch_kwargs(inputs))`` returns one batch's summed token
+    loss: the model's forward and the loss function, or a forward-only pass through pipeline
+    stages. It runs inside ``loss_context(inputs, labels)`` (loss parallel, context parallel,
+    which may shard the batch: ``batch_kwargs``, e.g. document ids, are taken before it).
     """
 
     def __init__(
@@ -37,6 +38,7 @@ class Validator:
         device: torch.device,
         dp_mesh: DeviceMesh | None,
         loss_context: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager],
+        batch_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
     ) -> None:
         self.build_dataloader = build_dataloader
         self.batch_loss = batch_loss
@@ -45,6 +47,7 @@ class Validator:
         self.device = device
         self.dp_mesh = dp_mesh
         self.loss_context = loss_context
+        self.batch_kwargs = batch_kwargs
 
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0
@@ -81,8 +84,9 @@ class Validator:
             if batch is None:
                 continue
             inputs, labels = (t.to(self.device).clone() for t in batch)
+            kwargs = self.batch_kwargs(inputs)
             with self.loss_context(inputs, labels):
-                loss_sum += self.batch_loss(inputs, labels).double()
+                loss_sum += self.batch_loss(inputs, labels, **kwargs).double()
             # The labels the loss saw: this rank's slice of the sequence under context parallel.
             tokens += (labels != IGNORE_INDEX).sum()
         return loss_sum, tokens
@@ -110,13 +114,13 @@ def build_validator(run: RunParts) -> Validator:
     if run.pipeline is not None:
         pipeline = run.pipeline
 
-        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return pipeline.eval_loss(inputs, labels, **model_inputs(run, inputs))
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+            return pipeline.eval_loss(inputs, labels, **kwargs)
     else:
         model, loss_fn = run.model_parts[0], run.loss_fn
 
-        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return local_value(loss_fn(model(inputs, **model_inputs(run, inputs)), labels))
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+            return local_value(loss_fn(model(inputs, **kwargs), labels))
 
     return Validator(
         build,
@@ -128,6 +132,7 @@ def build_validator(run: RunParts) -> Validator:
         loss_context=lambda inputs, labels: _stacked(
             loss_context(run), sequence_context(run, inputs, labels)
         ),
+        batch_kwargs=lambda inputs: model_inputs(run, inputs),
     )
 
 

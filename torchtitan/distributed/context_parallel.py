@@ -11,15 +11,24 @@ every rank; it needs ``seq_len`` divisible by ``2 * cp``.
 torch ships ring handlers for the CUDA SDPA kernels only (flash, efficient, cuDNN).
 :func:`install_cpu_ring_attention` adds the same for the CPU flash kernel, so CP runs and is
 tested on CPU with gloo.
+
+Masked attention (document masking, a sliding window, FlexAttention) cannot be merged block by
+block from a ring, so :func:`masked_context_parallel_context` shards the same buffers by the
+same positions itself and lets every rank attend with its queries to the keys/values of the
+whole sequence, all-gathered over ``cp`` (their gradients reduce-scattered back), under the
+mask rows of its own positions (``document_mask.sharded_sequence``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.models.common.document_mask import SequenceShard, sharded_sequence
 
 ROTATE_METHODS = ("allgather", "alltoall")
 _SEQ_DIM = 2  # SDPA's [batch, heads, seq, head_dim]
@@ -106,22 +115,101 @@ def context_parallel_context(
         yield
 
 
-def check_context_parallel_model(model_args: object) -> None:
-    """Refuse attention kinds ring attention cannot split (one line, before any work)."""
-    if getattr(model_args, "use_flex_attn", False):
-        raise ValueError(
-            "parallelism.context_parallel_degree > 1 needs SDPA attention; this flavor uses "
-            "FlexAttention, which context parallel does not split here"
-        )
-    mask = getattr(model_args, "attn_mask_type", "causal")
-    if mask != "causal":
-        raise ValueError(
-            f"parallelism.context_parallel_degree > 1 supports causal attention only; this "
-            f"flavor's attn_mask_type is {mask!r}"
-        )
-    window = getattr(model_args, "sliding_window_size", None)
-    if window:
-        raise ValueError(
-            f"parallelism.context_parallel_degree > 1 supports causal attention only; "
-            f"model.sliding_window_size={window} needs a mask ring attention does not split"
-        )
+def sequence_order(seq_len: int, cp: int, load_balance: bool) -> torch.Tensor:
+    """The global position held in each slot when the ``cp`` ranks' parts of a sequence are
+    concatenated in rank order: rank ``r`` holds ``order.view(cp, -1)[r]``. Head-tail
+    (``load_balance``): chunks ``r`` and ``2cp-1-r`` of ``2cp``; else contiguous chunk ``r``."""
+    if not load_balance:
+        return torch.arange(seq_len)
+    chunks = torch.arange(seq_len).view(2 * cp, -1)
+    return torch.cat([torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+@torch.library.custom_op("torchtitan::cp_all_gather", mutates_args=())
+def cp_all_gather(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    """Concatenate ``x`` from every rank of the group along ``dim`` (rank order)."""
+    front = x.movedim(dim, 0).contiguous()
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(front, group_size, group_name)
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)
+    return gathered.movedim(0, dim).contiguous()
+
+
+@cp_all_gather.register_fake
+def _(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= group_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("torchtitan::cp_reduce_scatter", mutates_args=())
+def cp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's ``1/group_size`` slice of ``dim``."""
+    front = x.movedim(dim, 0).contiguous()
+    part = torch.ops._c10d_functional.reduce_scatter_tensor(front, "sum", group_size, group_name)
+    part = torch.ops._c10d_functional.wait_tensor(part)
+    return part.movedim(0, dim).contiguous()
+
+
+@cp_reduce_scatter.register_fake
+def _(x: torch.Tensor, dim: int, group_name: str, group_size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] //= group_size
+    return x.new_empty(shape)
+
+
+def _gather_backward(ctx, grad: torch.Tensor):
+    return cp_reduce_scatter(grad, ctx.dim, ctx.group_name, ctx.group_size), None, None, None
+
+
+def _gather_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.group_name, ctx.group_size = inputs
+
+
+cp_all_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@functools.cache
+def _kv_gatherer(group_name: str, group_size: int):
+    """One gather function per group, so compiled blocks see the same one every step."""
+
+    def gather_kv(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (cp_all_gather(k, _SEQ_DIM, group_name, group_size),
+                cp_all_gather(v, _SEQ_DIM, group_name, group_size))
+
+    return gather_kv
+
+
+@contextlib.contextmanager
+def masked_context_parallel_context(
+    cp_mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    no_restore: set[torch.Tensor],
+    load_balance: bool = True,
+) -> Iterator[None]:
+    """Context parallel for masked attention: shard ``buffers`` (in place) like
+    :func:`context_parallel_context` and build every attention mask inside for this rank's
+    positions against the whole sequence, whose keys/values attention all-gathers."""
+    seq_len = buffers[0].shape[seq_dims[0]]
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    order = sequence_order(seq_len, cp, load_balance).to(buffers[0].device)
+    mine = order.view(cp, -1)[rank]
+    restore = []
+    with torch.no_grad():
+        for buffer, dim in zip(buffers, seq_dims, strict=True):
+            if not any(buffer is kept for kept in no_restore):
+                restore.append((buffer, buffer.clone()))
+            part = buffer.index_select(dim, mine.to(buffer.device))
+            buffer.resize_(part.shape)
+            buffer.copy_(part)
+    group = cp_mesh.get_group()
+    shard = SequenceShard(mine, order, _kv_gatherer(group.group_name, cp))
+    try:
+        with sharded_sequence(shard):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, original in restore:
+                buffer.resize_(original.shape)
+                buffer.copy_(original)
+

@@ -10,12 +10,21 @@ forward, which builds one mask per batch (:func:`build_attention_mask`) shared b
 Kernels: FlexAttention (``use_flex_attn``, compiled) on GPUs; FlexAttention has no backward on
 CPU (torch 2.13), so on CPU the model uses SDPA with the equivalent boolean mask and says so
 once. Both kernels see the same mask definition (:func:`mask_mod` / :func:`boolean_mask`).
+
+Split sequences: a context-parallel layer that gives each rank part of every sequence enters
+:func:`sharded_sequence` with a :class:`SequenceShard` (which global positions this rank's
+queries are, and how to gather the keys/values of the whole sequence). Inside it the mask
+covers this rank's queries against every key, and :func:`attend` gathers keys/values first; the
+model code is the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +32,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "MASK_TYPES",
+    "SequenceShard",
+    "ShardedMask",
     "apply_attention_config",
     "attend",
     "batch_attention_mask",
@@ -32,6 +43,8 @@ __all__ = [
     "document_ids",
     "flex_supported",
     "mask_mod",
+    "sharded_sequence",
+    "uses_attention_mask",
     "validate_mask_settings",
 ]
 
@@ -39,6 +52,44 @@ logger = logging.getLogger(__name__)
 
 MASK_TYPES = ("causal", "block_causal")
 _cpu_fallback_logged = False
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's part of every sequence when a context-parallel layer splits it.
+
+    ``q_positions`` (int64 ``[S_local]``): the global positions of the tokens this rank holds,
+    in order; ``kv_positions`` (int64 ``[S]``): the global position of each key/value
+    ``gather_kv(k, v)`` returns (it gathers ``[B, H, S_local, D]`` blocks from every rank along
+    dim 2, with autograd).
+    """
+
+    q_positions: torch.Tensor
+    kv_positions: torch.Tensor
+    gather_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ShardedMask:
+    """A mask of this rank's queries against every key (boolean ``[B|1, 1, S_local, S]`` or a
+    ``BlockMask``), with the gather that gives :func:`attend` those keys."""
+
+    mask: Any
+    gather_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+_active_shard: SequenceShard | None = None
+
+
+@contextlib.contextmanager
+def sharded_sequence(shard: SequenceShard) -> Iterator[None]:
+    """Masks built inside cover ``shard``'s queries against the whole sequence."""
+    global _active_shard
+    previous, _active_shard = _active_shard, shard
+    try:
+        yield
+    finally:
+        _active_shard = previous
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
@@ -75,18 +126,36 @@ def mask_mod(doc_ids: torch.Tensor | None, sliding_window: int | None):
 
 
 def boolean_mask(
-    doc_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device: Any
+    doc_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device: Any,
+    shard: SequenceShard | None = None,
 ) -> torch.Tensor:
     """SDPA's ``attn_mask`` (True = attend): ``bool[B, 1, S, S]`` with ``doc_ids``, else
-    ``[1, 1, S, S]``; the same rule as :func:`mask_mod`."""
-    pos = torch.arange(seq_len, device=device)
-    keep = pos[:, None] >= pos[None, :]
+    ``[1, 1, S, S]``; the same rule as :func:`mask_mod`. With ``shard``, the rows are its
+    queries and the columns its gathered keys (``[., 1, S_local, S]``)."""
+    if shard is None:
+        q_pos = kv_pos = torch.arange(seq_len, device=device)
+    else:
+        q_pos, kv_pos = shard.q_positions.to(device), shard.kv_positions.to(device)
+    keep = q_pos[:, None] >= kv_pos[None, :]
     if sliding_window:
-        keep = keep & (pos[:, None] - pos[None, :] < sliding_window)
+        keep = keep & (q_pos[:, None] - kv_pos[None, :] < sliding_window)
     keep = keep[None, None]
     if doc_ids is not None:
-        keep = keep & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+        q_docs, kv_docs = doc_ids[:, q_pos], doc_ids[:, kv_pos]
+        keep = keep & (q_docs[:, None, :, None] == kv_docs[:, None, None, :])
     return keep
+
+
+def _sharded_mask_mod(inner: Callable, shard: SequenceShard, device: Any) -> Callable:
+    """``inner`` (on global positions) seen from a shard's local query and gathered key
+    indices; indices past the end (block padding) are clamped, their rows are discarded."""
+    q_pos, kv_pos = shard.q_positions.to(device), shard.kv_positions.to(device)
+    q_last, kv_last = q_pos.numel() - 1, kv_pos.numel() - 1
+
+    def remapped(b, h, q_idx, kv_idx):
+        return inner(b, h, q_pos[q_idx.clamp(max=q_last)], kv_pos[kv_idx.clamp(max=kv_last)])
+
+    return remapped
 
 
 def flex_supported(device: torch.device) -> bool:
@@ -113,9 +182,11 @@ def build_attention_mask(
     device: torch.device,
     sliding_window: int | None = None,
     use_flex: bool = False,
+    shard: SequenceShard | None = None,
 ) -> Any:
     """The mask of one batch, shared by every layer: ``None`` (plain causal SDPA), a boolean
-    ``[B|1, 1, S, S]`` tensor (SDPA) or a FlexAttention ``BlockMask``.
+    ``[B|1, 1, S, S]`` tensor (SDPA) or a FlexAttention ``BlockMask``; with ``shard`` (``S``
+    is then the whole sequence's length), a :class:`ShardedMask` of its queries.
 
     ``block_causal`` needs ``doc_ids`` (:func:`document_ids`). ``use_flex`` on a device where
     FlexAttention cannot train (CPU) falls back to the boolean mask with one info line.
@@ -135,12 +206,16 @@ def build_attention_mask(
         from torch.nn.attention.flex_attention import create_block_mask
 
         rows = batch_size if docs is not None else None
-        return create_block_mask(
-            mask_mod(docs, sliding_window), rows, None, seq_len, seq_len, device=device
-        )
-    if docs is None and not sliding_window:
+        rule = mask_mod(docs, sliding_window)
+        q_len = seq_len
+        if shard is not None:
+            rule, q_len = _sharded_mask_mod(rule, shard, device), shard.q_positions.numel()
+        mask = create_block_mask(rule, rows, None, q_len, seq_len, device=device)
+    elif docs is None and not sliding_window and shard is None:
         return None
-    return boolean_mask(docs, seq_len, sliding_window, device)
+    else:
+        mask = boolean_mask(docs, seq_len, sliding_window, device, shard)
+    return mask if shard is None else ShardedMask(mask, shard.gather_kv)
 
 
 @functools.cache
@@ -153,7 +228,11 @@ def _compiled_flex_attention():
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
            compiled_flex: bool = True, scale: float | None = None) -> torch.Tensor:
     """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`
-    (``scale``: the softmax scale, default ``1/sqrt(D)``)."""
+    (``scale``: the softmax scale, default ``1/sqrt(D)``). A :class:`ShardedMask` gathers the
+    whole sequence's keys/values first."""
+    if isinstance(mask, ShardedMask):
+        k, v = mask.gather_kv(k, v)
+        mask = mask.mask
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, torch.Tensor):
@@ -177,14 +256,24 @@ def validate_mask_settings(args: Any) -> None:
         )
 
 
+def uses_attention_mask(args: Any) -> bool:
+    """The model's attention needs a per-batch mask (documents, a window or FlexAttention),
+    not plain causal SDPA."""
+    return getattr(args, "attn_mask_type", "causal") != "causal" or bool(
+        getattr(args, "sliding_window_size", None) or getattr(args, "use_flex_attn", False)
+    )
+
+
 def batch_attention_mask(
     args: Any, tokens: torch.Tensor, document_ids: torch.Tensor | None, device: torch.device
 ) -> Any:
     """The mask a model's forward builds once per batch for all its layers, from its args
     (``attn_mask_type``, ``sliding_window_size``, ``use_flex_attn``): None for plain causal
     attention. ``document_ids`` give the batch shape to pipeline stages whose input is hidden
-    states ``[B, S, D]`` rather than tokens."""
-    if args.attn_mask_type == "causal" and not (args.sliding_window_size or args.use_flex_attn):
+    states ``[B, S, D]`` rather than tokens. Inside :func:`sharded_sequence` ``tokens`` hold
+    this rank's part of each sequence and ``document_ids`` the whole sequence's."""
+    shard = _active_shard
+    if not uses_attention_mask(args) and shard is None:
         return None
     shape = (document_ids if document_ids is not None else tokens).shape
     if len(shape) != 2:
@@ -192,10 +281,11 @@ def batch_attention_mask(
             "this model's attention mask needs document_ids [batch, seq] on a "
             "pipeline stage without the token embedding"
         )
+    seq_len = shape[1] if shard is None else shard.kv_positions.numel()
     return build_attention_mask(
-        mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=shape[1],
+        mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=seq_len,
         batch_size=shape[0], device=device,
-        sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn,
+        sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn, shard=shard,
     )
 
 
