@@ -42,6 +42,7 @@ from torchtitan.models import ModelSpec, get_model_spec
 from torchtitan.models.common.document_mask import (
     apply_attention_config,
     check_document_separators,
+    uses_attention_mask,
 )
 from torchtitan.models.common.moe import MoE, moe_layers
 from torchtitan.tools.device import device_type, get_device
@@ -161,9 +162,18 @@ def check_expert_parallel(cfg: JobConfig, parallel_dims: ParallelDims, model: An
             raise ParallelismError(str(err)) from None
 
 
-def check_context_parallel(cfg: JobConfig, cp: int) -> None:
+def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
     """What context parallel needs beyond the mesh rules: validation batches as long as
-    training ones (the RoPE table is sharded for ``training.seq_len``)."""
+    training ones (the RoPE table is sharded for ``training.seq_len``), and a rotate method
+    the attention kind uses (masked attention always all-gathers keys/values)."""
+    rotate = cfg.parallelism.context_parallel_rotate_method
+    if rotate != "allgather" and uses_attention_mask(model_args):
+        raise ValueError(
+            f"parallelism.context_parallel_rotate_method={rotate} passes key/value blocks "
+            "around a ring, which merges causal attention only; with a document mask, a "
+            "sliding window or FlexAttention context parallel all-gathers keys/values: use "
+            "allgather (the default)"
+        )
     if cfg.validation.enable and cfg.validation.seq_len != cfg.training.seq_len:
         raise ValueError(
             f"validation.seq_len={cfg.validation.seq_len} must equal training.seq_len="
@@ -246,7 +256,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         seq_len=cfg.training.seq_len,
     )
     if parallel_dims.cp_enabled:
-        check_context_parallel(cfg, parallel_dims.cp)
+        check_context_parallel(cfg, model_args, parallel_dims.cp)
     check_validation_seq_len(cfg, model_args)
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)

@@ -85,7 +85,7 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
     if parallel_dims.cp_enabled:
         from torchtitan.build import check_context_parallel
 
-        check_context_parallel(cfg, parallel_dims.cp)
+        check_context_parallel(cfg, model_args, parallel_dims.cp)
     if parallel_dims.pp_enabled or parallel_dims.ep_enabled or parallel_dims.etp_enabled:
         import torch
 

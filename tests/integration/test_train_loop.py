@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -163,15 +164,24 @@ def test_expert_parallel_layout_errors(degrees, world, needle):
         ParallelDims.from_config(Parallelism(**degrees), world)
 
 
-def test_context_parallel_needs_validation_batches_as_long_as_training_ones():
+def test_context_parallel_refuses_settings_it_cannot_honour():
     from torchtitan.build import check_context_parallel
     from torchtitan.config.manager import ConfigManager
+    from torchtitan.models.llama3 import llama3_args
 
     cfg = ConfigManager().parse_args(["--validation.enable", "--validation.seq_len", "128"])
+    args = llama3_args["debugmodel"]
     with pytest.raises(ValueError, match=r"validation.seq_len=128 must equal training.seq_len=2048"):
-        check_context_parallel(cfg, 2)
+        check_context_parallel(cfg, args, 2)
     cfg.validation.seq_len = cfg.training.seq_len
-    check_context_parallel(cfg, 2)
+    check_context_parallel(cfg, args, 2)
+    cfg.parallelism.context_parallel_rotate_method = "alltoall"
+    check_context_parallel(cfg, args, 2)  # ring attention passes blocks one hop at a time
+    for masked in (dict(attn_mask_type="block_causal"), dict(sliding_window_size=64),
+                   dict(use_flex_attn=True)):
+        with pytest.raises(ValueError, match=r"rotate_method=alltoall passes key/value blocks "
+                                             r"around a ring.*use allgather \(the default\)"):
+            check_context_parallel(cfg, dataclasses.replace(args, **masked), 2)
 
 
 def test_bfloat16_training_dtype(tmp_path):
