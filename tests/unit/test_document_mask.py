@@ -229,8 +229,9 @@ def test_a_sequence_shard_attends_like_its_rows_of_the_whole_sequence(
 
     monkeypatch.setattr(document_mask, "flex_supported", lambda device: True)
     torch.manual_seed(0)
-    rows, heads, seq, dim = 2, 3, 16, 8
-    q, k, v = (torch.randn(rows, heads, seq, dim) for _ in range(3))
+    rows, heads, seq, dim = 2, 4, 16, 8
+    q = torch.randn(rows, heads, seq, dim)
+    k, v = (torch.randn(rows, heads // 2, seq, dim) for _ in range(2))  # grouped-query: 2 per kv
     tokens = torch.randint(3, 50, (rows, seq))
     tokens[0, 5], tokens[0, 11], tokens[1, 7] = BOS, EOS, BOS
     docs = document_mask.document_ids(tokens, BOS, EOS)
@@ -240,7 +241,8 @@ def test_a_sequence_shard_attends_like_its_rows_of_the_whole_sequence(
     for mask_type, window in MASKS:
         kw = dict(mask_type=mask_type, doc_ids=docs, seq_len=seq, batch_size=rows,
                   device=cpu, sliding_window=window, use_flex=flex)
-        whole = document_mask.attend(q, k, v, build_attention_mask(**kw), compiled_flex=False)
+        whole = document_mask.attend(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                     build_attention_mask(**kw), compiled_flex=False)
         for rank in range(2):
             mine = order.view(2, -1)[rank]
             shard = document_mask.SequenceShard(
@@ -248,7 +250,7 @@ def test_a_sequence_shard_attends_like_its_rows_of_the_whole_sequence(
             mask = build_attention_mask(**kw, shard=shard)
             assert isinstance(mask, document_mask.ShardedMask)
             out = document_mask.attend(q[:, :, mine], k[:, :, mine], v[:, :, mine], mask,
-                                       compiled_flex=False)
+                                       compiled_flex=False, n_rep=2)
             where = f"{mask_type} window {window} rank {rank}"
             torch.testing.assert_close(out, whole[:, :, mine], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, where=where: f"{where}: {m}")

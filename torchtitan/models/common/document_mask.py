@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from torchtitan.models.common.attention import repeat_kv
+
 __all__ = [
     "MASK_TYPES",
     "SequenceShard",
@@ -226,13 +228,18 @@ def _compiled_flex_attention():
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
-           compiled_flex: bool = True, scale: float | None = None) -> torch.Tensor:
+           compiled_flex: bool = True, scale: float | None = None, n_rep: int = 1) -> torch.Tensor:
     """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`
-    (``scale``: the softmax scale, default ``1/sqrt(D)``). A :class:`ShardedMask` gathers the
-    whole sequence's keys/values first."""
+    (``scale``: the softmax scale, default ``1/sqrt(D)``). Grouped-query attention: ``k`` and
+    ``v`` have ``H / n_rep`` heads, each shared by ``n_rep`` query heads. A
+    :class:`ShardedMask` gathers the whole sequence's keys/values first (before the heads are
+    repeated, so ``n_rep`` times less traffic)."""
     if isinstance(mask, ShardedMask):
         k, v = mask.gather_kv(k, v)
         mask = mask.mask
+    if n_rep > 1:
+        k = repeat_kv(k.transpose(1, 2), n_rep).transpose(1, 2)
+        v = repeat_kv(v.transpose(1, 2), n_rep).transpose(1, 2)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, torch.Tensor):

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import repeat_kv
 from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.rope import apply_rotary_emb, precompute_freqs_cis
 from torchtitan.models.llama3.args import TransformerModelArgs
@@ -50,10 +49,9 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
         out = attend(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), attention_mask,
+            n_rep=self.n_rep,
         )
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)

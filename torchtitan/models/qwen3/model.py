@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import repeat_kv
 from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import precompute_freqs_cis
@@ -83,10 +82,9 @@ class Attention(nn.Module):
         xk = self.k_norm(self.wk(x).view(bs, seqlen, -1, self.head_dim))
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb_half(xq, xk, freqs_cis)
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
         out = attend(
-            xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attention_mask
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), attention_mask,
+            n_rep=self.n_rep,
         )
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
