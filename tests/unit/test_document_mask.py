@@ -216,6 +216,17 @@ def test_attention_config_keys(tmp_path):
 MASKS = [("block_causal", None), ("causal", 5), ("block_causal", 4), ("causal", None)]
 
 
+def test_masked_context_parallel_holds_the_same_positions_as_ring_attention():
+    """Head-tail: rank r holds chunks r and 2cp-1-r (equal causal work per rank), as torch's
+    ring attention does (tests/distributed/test_context_parallel.py); else contiguous."""
+    from torchtitan.distributed.context_parallel import sequence_order
+
+    assert sequence_order(8, 2, True).view(2, -1).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert sequence_order(8, 2, False).view(2, -1).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sequence_order(12, 3, True).view(3, -1).tolist() == [
+        [0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+
+
 @pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
 @pytest.mark.parametrize("load_balance", [True, False], ids=["head_tail", "contiguous"])
 def test_a_sequence_shard_attends_like_its_rows_of_the_whole_sequence(
