@@ -276,7 +276,7 @@ class Parallelism:
     """Context parallelism degree (sequence sharded across ranks)."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How ring attention exchanges key/value shards."""
+    """How ring attention exchanges key/value shards (causal attention; masked attention always all-gathers them)."""
 
     context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
     """How context parallel spreads causal attention's work over the cp ranks: headtail (each rank holds one chunk from the front and one from the back of every sequence; seq_len divisible by 2*cp) or none (contiguous chunks: later ranks attend to more keys; seq_len divisible by cp)."""
