@@ -216,6 +216,29 @@ def test_attention_config_keys(tmp_path):
 MASKS = [("block_causal", None), ("causal", 5), ("block_causal", 4), ("causal", None)]
 
 
+@pytest.mark.slow  # compiles create_block_mask (inductor, ~20 s on 2 cores)
+def test_compiled_block_masks_equal_eager_ones(monkeypatch):
+    """GPUs build FlexAttention masks with a compiled create_block_mask (no dense mask first);
+    the result equals the eager one, for a whole sequence and for a context-parallel shard
+    (where inductor's CPU code generation fails today: the fallback builds it eagerly)."""
+    from torchtitan.distributed.context_parallel import sequence_order
+
+    monkeypatch.setattr(document_mask, "_compile_block_masks", True)
+    seq = 256
+    tokens = torch.randint(3, 50, (2, seq), generator=torch.Generator().manual_seed(0))
+    tokens[0, 100], tokens[1, 37], tokens[1, 200] = BOS, EOS, EOS
+    rule = document_mask.mask_mod(document_mask.document_ids(tokens, BOS, EOS), 64)
+    order = sequence_order(seq, 2, True)
+    shard = document_mask.SequenceShard(order.view(2, -1)[1], order, lambda k, v: (k, v))
+    cpu = torch.device("cpu")
+    for mask_rule, q_len in ((rule, seq),
+                             (document_mask._sharded_mask_mod(rule, shard, cpu), seq // 2)):
+        eager = document_mask.block_mask(mask_rule, 2, q_len, seq, cpu, compiled=False)
+        built = document_mask.block_mask(mask_rule, 2, q_len, seq, cpu, compiled=True)
+        assert torch.equal(built.to_dense(), eager.to_dense())
+        assert torch.equal(built.kv_num_blocks, eager.kv_num_blocks)
+
+
 def test_masked_context_parallel_holds_the_same_positions_as_ring_attention():
     """Head-tail: rank r holds chunks r and 2cp-1-r (equal causal work per rank), as torch's
     ring attention does (tests/distributed/test_context_parallel.py); else contiguous."""

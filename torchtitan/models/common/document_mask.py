@@ -205,19 +205,50 @@ def build_attention_mask(
         _log_cpu_fallback()
         use_flex = False
     if use_flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
         rows = batch_size if docs is not None else None
         rule = mask_mod(docs, sliding_window)
         q_len = seq_len
         if shard is not None:
             rule, q_len = _sharded_mask_mod(rule, shard, device), shard.q_positions.numel()
-        mask = create_block_mask(rule, rows, None, q_len, seq_len, device=device)
+        compiled = torch.device(device).type == "cuda"
+        mask = block_mask(rule, rows, q_len, seq_len, device, compiled=compiled)
     elif docs is None and not sliding_window and shard is None:
         return None
     else:
         mask = boolean_mask(docs, seq_len, sliding_window, device, shard)
     return mask if shard is None else ShardedMask(mask, shard.gather_kv)
+
+
+_compile_block_masks = True
+
+
+def block_mask(rule: Callable, rows: int | None, q_len: int, kv_len: int, device: Any,
+               compiled: bool) -> Any:
+    """FlexAttention ``BlockMask`` of ``rule``. ``compiled``: built by a compiled
+    ``create_block_mask``, block by block, instead of materialising the ``rows x q_len x kv_len``
+    boolean mask first (gigabytes at long sequences); if compiling fails, every later mask of
+    this process is built eagerly, with one warning."""
+    global _compile_block_masks
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if compiled and _compile_block_masks:
+        try:
+            return _compiled_create_block_mask()(rule, rows, None, q_len, kv_len, device=device)
+        except Exception as err:  # an inductor limitation must not stop training
+            _compile_block_masks = False
+            logger.warning(
+                f"FlexAttention masks: compiling create_block_mask failed "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); building masks "
+                "eagerly (each materialises a boolean mask of the batch first)"
+            )
+    return create_block_mask(rule, rows, None, q_len, kv_len, device=device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
