@@ -197,6 +197,34 @@ def apply_local_data_parallel(
     return model
 
 
+def evict_dead_mesh_coordinates() -> None:
+    """Make LocalTensorMode forget a mesh's per-rank coordinates when the mesh is freed.
+
+    torch caches them by ``id(mesh)``; a mesh built later at a freed mesh's address (the
+    meshes built per parameter while sharding) then got the dead mesh's coordinates: wrong
+    shards, or ``IndexError: list index out of range`` in ``distribute_tensor``, depending
+    on the garbage collector. Idempotent."""
+    import weakref
+
+    from torch.distributed import _local_tensor
+
+    cls = _local_tensor._LocalDeviceMesh
+    original = cls.get_coordinate
+    if getattr(original, "evicts_dead_meshes", False):
+        return
+
+    def get_coordinate(mesh):
+        mode = _local_tensor.enabled_local_tensor_mode()
+        new = mode is not None and id(mesh) not in mode._coordinate_cache
+        coordinates = original(mesh)
+        if new:
+            weakref.finalize(mesh, mode._coordinate_cache.pop, id(mesh), None)
+        return coordinates
+
+    get_coordinate.evicts_dead_meshes = True
+    cls.get_coordinate = staticmethod(get_coordinate)
+
+
 def _local_data_parallel(model, parallel_dims, param_dtype, reduce_dtype, **_unused):
     """``fsdp.apply_data_parallel``'s stand-in while LocalTensorMode is on."""
     if not (parallel_dims.dp_shard_enabled or parallel_dims.dp_replicate_enabled):
@@ -281,6 +309,7 @@ class LocalTensorSim(CommMode):
         parallel becomes gather-on-use DTensor parameters while the model is built."""
         from torch.distributed._local_tensor import LocalTensorMode
 
+        evict_dead_mesh_coordinates()
         self._stack.enter_context(LocalTensorMode(self.world_size))
         with data_parallel_override(_local_data_parallel):
             yield

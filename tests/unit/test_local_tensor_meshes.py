@@ -1,0 +1,39 @@
+"""COMM_MODE=local_tensor: LocalTensorMode's per-mesh coordinate cache must not outlive a mesh.
+
+torch keys the cache by ``id(mesh)``; the simulated data parallel builds a mesh per parameter,
+and a later mesh at a freed one's address got its coordinates (a flaky IndexError in
+``distribute_tensor``, seen in CI). The eviction drops the entry when the mesh is freed.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch.distributed as dist
+
+
+def test_local_tensor_mode_forgets_the_coordinates_of_freed_meshes():
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.comm_mode.fake_backend import init_fake_process_group
+    from torchtitan.distributed.comm_mode.local_tensor import evict_dead_mesh_coordinates
+
+    evict_dead_mesh_coordinates()
+    evict_dead_mesh_coordinates()  # idempotent: one eviction per mesh
+    init_fake_process_group(4)
+    try:
+        with LocalTensorMode(4) as mode:
+            root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+            kept = root["a"]
+            kept.get_coordinate()
+            freed = root["b"]
+            freed.get_coordinate()
+            freed_id = id(freed)
+            assert {id(kept), freed_id} <= set(mode._coordinate_cache)
+            del freed
+            gc.collect()
+            assert freed_id not in mode._coordinate_cache
+            assert id(kept) in mode._coordinate_cache  # live meshes keep theirs
+    finally:
+        dist.destroy_process_group()
