@@ -45,23 +45,17 @@ def sequence_context(
     from torchtitan.distributed import context_parallel as cp
 
     rope_tables = [part.freqs_cis for part in run.model_parts]
-    if uses_attention_mask(run.model_args):
-        return cp.masked_context_parallel_context(
-            cp_mesh,
-            buffers=[inputs, labels, *rope_tables],
-            seq_dims=[1, 1, *[0] * len(rope_tables)],
-            no_restore={inputs, labels},
-            load_balance=run.parallel_dims.cp_load_balance,
-        )
-    return cp.context_parallel_context(
-        cp_mesh,
+    shard = dict(
         buffers=[inputs, labels, *rope_tables],
         seq_dims=[1, 1, *[0] * len(rope_tables)],
         no_restore={inputs, labels},
-        rotate_method=run.job_config.parallelism.context_parallel_rotate_method,
         load_balance=run.parallel_dims.cp_load_balance,
     )
-
+    if uses_attention_mask(run.model_args):
+        return cp.masked_context_parallel_context(cp_mesh, **shard)
+    return cp.context_parallel_context(
+        cp_mesh, rotate_method=run.job_config.parallelism.context_parallel_rotate_method, **shard
+    )
 
 def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
     """Keyword inputs of the model's forward besides the tokens: ``document_ids`` (from the
