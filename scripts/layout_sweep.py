@@ -41,9 +41,13 @@ MODELS = [  # (config, extra flags, has experts)
 SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble"]
 
 
-def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int) -> tuple[int, list[str]]:
-    """(NGPU, trainer flags) of one random run."""
-    ngpu = rng.choice([1, 2, 2, 4, 4])
+NGPU_POOL = (1, 2, 2, 4, 4)
+
+
+def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
+                ngpus: tuple[int, ...] = NGPU_POOL) -> tuple[int, list[str]]:
+    """(NGPU, trainer flags) of one random run; NGPU drawn from ``ngpus``."""
+    ngpu = rng.choice(ngpus)
     local_batch = rng.choice([2, 4])
     flags = [*extra, "--training.steps", str(steps), "--training.seq_len", rng.choice(["64", "128"]),
              "--training.local_batch_size", str(local_batch), "--metrics.log_freq", "1",
@@ -77,6 +81,16 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int) -> 
         dp = left * degrees["data_parallel_replicate"]
         flags += ["--training.global_batch_size", str(2 * local_batch * dp)]
     return ngpu, flags
+
+
+def add_ngpus_argument(parser: argparse.ArgumentParser) -> None:
+    """``--ngpus 1,2,4,8``: the NGPU values drawn from (repeats weight them)."""
+    parser.add_argument(
+        "--ngpus", default=",".join(map(str, NGPU_POOL)),
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="comma-separated NGPU values to draw from, repeats weight them "
+             "(default %(default)s; 8 reaches 3-4 parallel dimensions at once, slower)",
+    )
 
 
 def run(config: str, ngpu: int, flags: list[str], dump: Path, resume: bool, timeout: int) -> str:
@@ -115,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=14)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=int, default=400, help="seconds per run")
+    add_ngpus_argument(parser)
     parser.add_argument("--folder", default="/tmp/layout_sweep", help="dump folders go here")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -124,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         dump = Path(args.folder) / f"seed{args.seed}_trial{trial:02d}"
         shutil.rmtree(dump, ignore_errors=True)
         print(f"trial {trial}:", flush=True)
-        ngpu, flags = draw_layout(rng, extra, moe, steps=2)
+        ngpu, flags = draw_layout(rng, extra, moe, steps=2, ngpus=args.ngpus)
         verdicts.append(run(config, ngpu, flags, dump, False, args.timeout))
         if verdicts[-1] != "ok":
             continue
         for _ in range(5):
-            ngpu, flags = draw_layout(rng, extra, moe, steps=3)
+            ngpu, flags = draw_layout(rng, extra, moe, steps=3, ngpus=args.ngpus)
             verdicts.append(run(config, ngpu, flags, dump, True, args.timeout))
             if verdicts[-1] != "user-error":
                 break

@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-4)
     parser.add_argument("--folder", default="/tmp/parity_sweep", help="dump folders go here")
+    layout_sweep.add_ngpus_argument(parser)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     verdicts: list[str] = []
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         config, extra, moe = rng.choice(layout_sweep.MODELS)
         folder = Path(args.folder) / f"seed{args.seed}_trial{trial:02d}"
         for _ in range(6):  # redraw layouts refused as user errors
-            ngpu, flags = layout_sweep.draw_layout(rng, extra, moe, steps=args.steps)
+            ngpu, flags = layout_sweep.draw_layout(
+                rng, extra, moe, steps=args.steps, ngpus=args.ngpus)
             shared, layout, replicate = split_flags(flags)
             if not layout or layout == ["--parallelism.data_parallel_replicate_degree", "2"]:
                 continue  # nothing but data parallelism: no composition to check
