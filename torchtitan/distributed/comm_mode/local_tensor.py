@@ -215,10 +215,11 @@ def evict_dead_mesh_coordinates() -> None:
 
     def get_coordinate(mesh):
         mode = _local_tensor.enabled_local_tensor_mode()
-        new = mode is not None and id(mesh) not in mode._coordinate_cache
+        cache = getattr(mode, "_coordinate_cache", None)  # torch versions without it: no cache
+        new = cache is not None and id(mesh) not in cache
         coordinates = original(mesh)
         if new:
-            weakref.finalize(mesh, mode._coordinate_cache.pop, id(mesh), None)
+            weakref.finalize(mesh, cache.pop, id(mesh), None)
         return coordinates
 
     get_coordinate.evicts_dead_meshes = True
