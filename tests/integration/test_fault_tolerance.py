@@ -381,8 +381,10 @@ FLOAT8 = ["--model.converters", "float8", "--float8.emulate",
 
 @pytest.mark.parametrize(
     ("sync_steps", "fragments", "saved_at", "variant"),
-    [(3, 1, 4, ""), (4, 2, 3, ""), (4, 2, 3, "moe"), (2, 1, 2, "float8")],
-    ids=["whole", "2_fragments", "moe_2_fragments", "float8_at_a_sync"],
+    # fragments are checked with the MoE model only: it adds the routing biases to the dense
+    # model's state, so a dense 2-fragment run would repeat a subset of it
+    [(3, 1, 4, ""), (4, 2, 3, "moe"), (2, 1, 2, "float8")],
+    ids=["whole", "moe_2_fragments", "float8_at_a_sync"],
 )
 def test_diloco_resumes_exactly_from_a_mid_interval_checkpoint(tmp_path, cpu_env, lighthouse_min1,
                                                                request, sync_steps, fragments,
