@@ -307,6 +307,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                 if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
                     part.to(to_torch_dtype(cfg.training.dtype, "training.dtype"))
                 part.train()
+            tied = pipeline.tied if pipeline is not None else None
+            if tied is not None:
+                tied.copy_initial_weights()
             layers = moe_layers(model_parts)
             for layer in layers:  # the auxiliary loss is added once per microbatch
                 layer.aux_loss_scale = 1.0 / grad_accum
@@ -317,6 +320,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                 )
             check_early_step(cfg, parallel_dims)
             optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer)
+            if tied is not None:
+                optimizers.fqn_aliases = [tied.optimizer_aliases(part) for part in model_parts]
             lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
 
     return RunParts(
@@ -342,7 +347,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         global_batch_size=global_bs,
         gradient_accumulation_steps=grad_accum,
         after_backward=(
-            [expert_grad_scaler(model_parts, parallel_dims.ep)] if parallel_dims.ep_enabled else []
+            ([expert_grad_scaler(model_parts, parallel_dims.ep)] if parallel_dims.ep_enabled else [])
+            + ([tied.sum_gradients] if tied is not None else [])
         ),
         moe_layers=layers,
         compute_dtype=compute_dtype(cfg, parallel_dims),

@@ -119,12 +119,6 @@ def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, mode
             "parallelism.pipeline_parallel_degree=1"
         )
     check_pipeline_composition(parallel_dims)
-    if getattr(model_args, "tie_word_embeddings", False):
-        raise ValueError(
-            "pipeline parallelism cannot split a model with tied input/output embeddings "
-            "(tie_word_embeddings=True puts one weight on the first and the last stage); "
-            "use a flavor without tied embeddings or parallelism.pipeline_parallel_degree=1"
-        )
     p = cfg.parallelism
     layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
     n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)

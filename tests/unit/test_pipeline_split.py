@@ -192,6 +192,10 @@ def test_default_layout_per_schedule(schedule, expected_stages, ids_rank1):
     layout = resolve_pipeline_layout(_pp_cfg(2, schedule), _meta_model(4), 4, pp_rank=1)
     assert layout.num_stages == expected_stages and layout.stage_ids == ids_rank1
     assert len(layout.fqns_per_stage) == expected_stages
+    # every stage's rank (the tied-embedding copies find each other by it), from either rank
+    assert [layout.stage_ranks[s] for s in ids_rank1] == [1] * len(ids_rank1)
+    assert layout.stage_ranks == resolve_pipeline_layout(
+        _pp_cfg(2, schedule), _meta_model(4), 4, pp_rank=0).stage_ranks
 
 
 def test_layers_per_stage_sets_the_stage_count():
@@ -259,6 +263,7 @@ def test_csv_placement_is_read_from_the_action_table(tmp_path):
         _pp_cfg(2, pipeline_parallel_schedule_csv=str(path)), _meta_model(4), 4, pp_rank=1
     )
     assert layout.num_stages == 4 and layout.stage_ids == (1, 2) and layout.csv_path == str(path)
+    assert layout.stage_ranks == (0, 1, 1, 0)
 
 
 def test_csv_errors(tmp_path):
@@ -344,16 +349,6 @@ def _job(schedule: str = "1F1B", local_bs: int = 4, mbs: int = 1) -> JobConfig:
     cfg.parallelism.pipeline_parallel_microbatch_size = mbs
     cfg.training.local_batch_size = local_bs
     return cfg
-
-
-def test_pipeline_llama_rejects_tied_embeddings():
-    args = _args(4, tied=True)
-    with torch.device("meta"):
-        model = Transformer(args)
-    with pytest.raises(ValueError, match="tied input/output embeddings"):
-        pipeline_llama(
-            model, _stub_dims(), _job(), torch.device("cpu"), args, None, None
-        )
 
 
 def test_pipeline_llama_rejects_too_few_microbatches_before_building_stages():

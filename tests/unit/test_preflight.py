@@ -54,8 +54,6 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
           "2", "--world_size", "2"],
          "expert_tensor_parallel_degree=2 needs a mixture-of-experts model; llama3 debugmodel "
          "has no experts"),
-        (["--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2"],
-         "cannot split a model with tied input/output embeddings"),
         (["--parallelism.tensor_parallel_degree", "3", "--world_size", "8"], "world size 8"),
         (["--parallelism.tensor_parallel_degree", "32"], "must divide the model's n_heads=16"),
         (["--training.global_batch_size", "12"], "global_batch_size=12 must be a multiple"),

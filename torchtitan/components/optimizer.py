@@ -53,6 +53,9 @@ class OptimizersContainer(Stateful):
             self.optimizers.append(_construct(cls, _groups_by_mesh(params), kwargs))
         self._per_part: list[Any] = list(self.optimizers)
         """Each part's optimizer (or list of optimizers): what its state dict is built from."""
+        self.fqn_aliases: list[dict[str, str]] = [{} for _ in model_parts]
+        """Per part, ``{parameter FQN: the FQN its state is saved under}`` (a pipeline stage's
+        copy of a tied weight keeps its state under the name the unsplit model uses)."""
 
     steps_in_backward = False
     """True when the parameters step during backward (``optimizer_in_backward``)."""
@@ -75,14 +78,33 @@ class OptimizersContainer(Stateful):
     def state_dict(self) -> dict[str, Any]:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         merged: dict[str, Any] = {}
-        for part, opt in zip(self.model_parts, self._per_part):
-            merged.update(get_optimizer_state_dict(part, opt, options=opts))
+        for part, opt, aliases in zip(self.model_parts, self._per_part, self.fqn_aliases):
+            merged.update(_renamed(get_optimizer_state_dict(part, opt, options=opts), aliases))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        for part, opt in zip(self.model_parts, self._per_part):
-            set_optimizer_state_dict(part, opt, optim_state_dict=state_dict, options=opts)
+        for part, opt, aliases in zip(self.model_parts, self._per_part, self.fqn_aliases):
+            back = {saved: own for own, saved in aliases.items()}
+            set_optimizer_state_dict(
+                part, opt, optim_state_dict=_renamed(state_dict, back), options=opts
+            )
+
+
+def _renamed(flat_state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``flat_state`` (keys ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<name>``) with each
+    FQN in ``aliases`` replaced by its alias."""
+    if not aliases:
+        return flat_state
+    out = {}
+    for key, value in flat_state.items():
+        section, _, rest = key.partition(".")
+        for fqn, alias in aliases.items():
+            if rest.startswith(fqn + "."):
+                key = f"{section}.{alias}{rest[len(fqn):]}"
+                break
+        out[key] = value
+    return out
 
 
 def _groups_by_mesh(params: list[nn.Parameter]) -> list[dict[str, Any]]:

@@ -88,6 +88,7 @@ class OptimizersInBackwardContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = []
         self._per_part: list[list[torch.optim.Optimizer]] = []
+        self.fqn_aliases = [{} for _ in model_parts]
         self._norms: dict[object, list[torch.Tensor]] = defaultdict(list)
         self.armed = True
         for part in model_parts:

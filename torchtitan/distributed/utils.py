@@ -210,8 +210,8 @@ def total_norm(
         if isinstance(n, DTensor):
             n = n.full_tensor()
         norms.append(n.float())
-    if not norms:
-        total = torch.tensor(0.0)
+    if not norms:  # e.g. a stage holding only a tied output copy
+        total = torch.tensor(0.0, device=pp_mesh.device_type if pp_mesh is not None else None)
     elif math.isinf(norm_type):
         total = torch.stack(norms).max()
     else:
@@ -233,17 +233,22 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     foreach: bool | None = None,
     pp_mesh: DeviceMesh | None = None,
+    exclude_from_norm: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Total gradient norm across every mesh the gradients live on; clips when max_norm > 0.
 
     Gradients may be DTensors on different meshes (FSDP, TP, FSDP x TP) or plain tensors; the
     norm of each group is reduced over its mesh, and over ``pp_mesh`` when stages hold
-    different parameters. Returns the pre-clip norm (a plain tensor).
+    different parameters. ``exclude_from_norm``: copies of a parameter counted elsewhere (tied
+    embeddings split by the pipeline), clipped but not counted. Returns the pre-clip norm (a
+    plain tensor).
     """
     params = [p for p in parameters if p.grad is not None]
+    excluded = {id(p) for p in exclude_from_norm}
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+        if id(p) not in excluded:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
     total = total_norm(groups, norm_type, foreach, pp_mesh)
     if max_norm > 0 and params:
         # One call per mesh: foreach kernels cannot mix DTensors of different meshes and plain

@@ -159,6 +159,8 @@ class PipelineLayout:
     stage_ids: tuple[int, ...]
     fqns_per_stage: list[list[str]]
     csv_path: str | None = None
+    stage_ranks: tuple[int, ...] = ()
+    """The pp rank holding each stage (every stage, not only this rank's)."""
 
     @property
     def is_multi_stage(self) -> bool:
@@ -256,6 +258,9 @@ def resolve_pipeline_layout(
                 f"parallelism.pipeline_parallel_schedule_csv={csv_path!r}"
             )
         stage_ids = tuple(placement[pp_rank])
+        stage_ranks = tuple(
+            next(r for r, stages in placement.items() if s in stages) for s in range(num_stages)
+        )
     else:
         if single and per_rank != 1:
             raise ValueError(
@@ -273,7 +278,12 @@ def resolve_pipeline_layout(
                 f"schedule {name} needs exactly 2 stages per rank (V shape), but {source} gives "
                 f"{per_rank}"
             )
-        stage_ids = stage_ids_this_rank(pp_rank, pp, num_stages, "v" if v_style else "loop")
+        style = "v" if v_style else "loop"
+        stage_ids = stage_ids_this_rank(pp_rank, pp, num_stages, style)
+        stage_ranks = tuple(
+            next(r for r in range(pp) if s in stage_ids_this_rank(r, pp, num_stages, style))
+            for s in range(num_stages)
+        )
 
     if fqns:
         fqns_per_stage = [list(p) for p in fqns]
@@ -291,7 +301,9 @@ def resolve_pipeline_layout(
         except ValueError as err:
             raise ValueError(f"{err} (stage count from {source})") from None
     validate_fqns_per_stage(model, fqns_per_stage)
-    return PipelineLayout(schedule_class, num_stages, stage_ids, fqns_per_stage, csv_path)
+    return PipelineLayout(
+        schedule_class, num_stages, stage_ids, fqns_per_stage, csv_path, stage_ranks
+    )
 
 
 def pipeline_module_split(

@@ -14,6 +14,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torchtitan.distributed.pipeline.evaluation import local_value, pipeline_forward_only
 from torchtitan.distributed.pipeline.planning import PipelineLayout
 from torchtitan.distributed.pipeline.schedules import build_pipeline_schedule
+from torchtitan.distributed.pipeline.tied_embeddings import TiedEmbeddings
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,6 +92,8 @@ class Pipeline:
         self.has_first_stage = any(stage.is_first for stage in self.stages)
         self.has_last_stage = any(stage.is_last for stage in self.stages)
         self._loss_scale = 1.0
+        self.tied: TiedEmbeddings | None = None
+        """Set when the model ties its input and output embeddings across stages."""
         self.schedule = build_pipeline_schedule(
             layout, self.stages, n_microbatches, pp_mesh.size(), self._scaled_loss
         )

@@ -22,6 +22,7 @@ from torchtitan.distributed.pipeline import (
     pipeline_module_split,
     resolve_pipeline_layout,
 )
+from torchtitan.distributed.pipeline.tied_embeddings import TiedEmbeddings
 
 
 def pipeline_llama(
@@ -44,12 +45,6 @@ def pipeline_llama(
     if pp_mesh is None:
         raise ValueError("pipeline_llama needs parallelism.pipeline_parallel_degree > 1")
     check_pipeline_composition(parallel_dims)
-    if getattr(model_args, "tie_word_embeddings", False):
-        raise ValueError(
-            "pipeline parallelism cannot split a model with tied input/output embeddings "
-            "(tie_word_embeddings=True puts one weight on the first and the last stage); "
-            "use a flavor without tied embeddings or parallelism.pipeline_parallel_degree=1"
-        )
     layout = resolve_pipeline_layout(
         cfg, model, n_layers=model_args.n_layers, pp_rank=pp_mesh.get_local_rank()
     )
@@ -66,4 +61,7 @@ def pipeline_llama(
     stages = build_pipeline_stages(
         parts, layout.stage_ids, layout.num_stages, device, pp_mesh.get_group()
     )
-    return Pipeline(layout, stages, n_microbatches, loss_fn, pp_mesh)
+    pipeline = Pipeline(layout, stages, n_microbatches, loss_fn, pp_mesh)
+    if getattr(model_args, "tie_word_embeddings", False):
+        pipeline.tied = TiedEmbeddings(layout, pipeline.model_parts, pp_mesh)
+    return pipeline
