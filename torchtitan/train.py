@@ -161,9 +161,11 @@ class Trainer(Stateful):
         stages = run.pipeline.layout.fqns_per_stage if run.pipeline is not None else None
         n_layers = run.model_args.n_layers
         units = model_units(self.model_parts, stages, n_layers)
+        tied = getattr(run.model_args, "tie_word_embeddings", False)
         return self.ft.wrap_optimizer_step(
             self.model_parts, lambda: optimizer_step(run), units, n_layers,
             after_sync=self._weights_replaced,
+            tied_units=("tok_embeddings", "output") if tied else (),
         )
 
     def _weights_replaced(self) -> None:

@@ -97,6 +97,17 @@ def test_tied_weights_in_two_fragments_are_refused():
         build_fragments([model], fragment_units(2, [], UNITS4, 4))
 
 
+def test_tied_units_in_two_fragments_are_refused_before_any_parameter_is_seen():
+    """Under pipeline parallelism the embedding and output are two copies (two parameters):
+    only the model's tie tells they must sync together."""
+    tied = ("tok_embeddings", "output")
+    with pytest.raises(ValueError, match=r"tok_embeddings \(fragment 0\) and output \(fragment 1\) "
+                                         r"share one tied weight"):
+        fragment_units(2, [], UNITS4, 4, tied)
+    together = [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], ["layers.2", "layers.3"]]
+    assert fragment_units(2, together, UNITS4, 4, tied) == together
+
+
 DEBUG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 DILOCO = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
           "--fault_tolerance.semi_sync_method", "diloco"]

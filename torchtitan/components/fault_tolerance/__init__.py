@@ -271,16 +271,19 @@ class FaultTolerance:
     def wrap_optimizer_step(
         self, model_parts: list[nn.Module], step_fn: Callable[[], Any], all_units: list[str],
         n_layers: int, after_sync: Callable[[], None] | None = None,
+        tied_units: tuple[str, ...] = (),
     ) -> Callable[[], Any]:
         """LocalSGD / DiLoCo: ``step_fn`` (the optimizer step) wrapped so that every
         ``sync_steps`` steps the groups synchronise through torchft. ``all_units``: the whole
         model's units in order (``fragments.model_units``), from which DiLoCo's fragments are
-        cut. ``after_sync`` runs after a step whose sync changed the weights."""
+        cut; ``tied_units`` must land in one fragment. ``after_sync`` runs after a step whose
+        sync changed the weights."""
         from torchtitan.components.fault_tolerance.fragments import fragment_units
         from torchtitan.components.fault_tolerance.semi_sync import SemiSync
 
         units = fragment_units(
-            self.cfg.num_fragments, self.cfg.module_fqns_per_model_fragment, all_units, n_layers
+            self.cfg.num_fragments, self.cfg.module_fqns_per_model_fragment, all_units, n_layers,
+            tied_units,
         )
         self._semi = SemiSync(self.manager, self.cfg, model_parts, step_fn, units, after_sync)
         return self._semi.step

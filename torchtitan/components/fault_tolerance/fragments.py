@@ -63,11 +63,13 @@ def model_units(
 
 def fragment_units(
     num_fragments: int, fqns_per_fragment: Sequence[Sequence[str]], all_units: Sequence[str],
-    n_layers: int,
+    n_layers: int, tied: Sequence[str] = (),
 ) -> list[list[str]]:
     """The units of each fragment: ``fqns_per_fragment`` checked against the model (every unit
     in exactly one fragment), or ``num_fragments`` even slices of the layers, the embedding
-    with the first and the norm and output with the last. Raises ValueError."""
+    with the first and the norm and output with the last. ``tied``: units sharing a weight,
+    which must sync together (under pipeline parallelism each holds its own copy, so
+    :func:`build_fragments` cannot see the tie). Raises ValueError."""
     if not fqns_per_fragment:
         if num_fragments == 1:
             return [list(all_units)]
@@ -77,7 +79,16 @@ def fragment_units(
                 f"{n_layers} layers + embedding + output; use at most {n_layers + 2}"
             )
         fqns_per_fragment = generate_fqns_per_stage(num_fragments, n_layers)
-    return group_units(all_units, fqns_per_fragment, _KEY, "fragment")
+    units = group_units(all_units, fqns_per_fragment, _KEY, "fragment")
+    where = {unit: f for f, members in enumerate(units) for unit in members}
+    placed = [(unit, where[unit]) for unit in tied if unit in where]
+    if len({f for _, f in placed}) > 1:
+        (a, fa), (b, fb) = placed[0], next(x for x in placed if x[1] != placed[0][1])
+        raise ValueError(
+            f"{_KEY}: {a} (fragment {fa}) and {b} (fragment {fb}) share one tied weight (the "
+            "model ties its input and output embeddings); put both modules in the same fragment"
+        )
+    return units
 
 
 def routing_biases(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
