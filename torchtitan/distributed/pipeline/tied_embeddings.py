@@ -62,6 +62,9 @@ class TiedEmbeddings:
         self.input_part: nn.Module | None = parts.get(input_stage)
         self.output_part: nn.Module | None = parts.get(output_stage)
         self._group = pp_mesh.get_group()
+        # where the pp group communicates (CPU-offloaded FSDP keeps gradients on the host,
+        # which NCCL cannot send)
+        self._comm_device = torch.device(pp_mesh.device_type)
         holders = (layout.stage_ranks[input_stage], layout.stage_ranks[output_stage])
         me = pp_mesh.get_local_rank()
         self._peer: int | None = None  # global rank of the other holder; None: both here
@@ -89,12 +92,13 @@ class TiedEmbeddings:
 
     def _swap(self, mine: torch.Tensor) -> torch.Tensor:
         """Send ``mine`` to the other holder and return what it sent."""
-        theirs = torch.empty_like(mine)
-        ops = [dist.P2POp(dist.isend, mine.contiguous(), self._peer, self._group),
+        send = mine.to(self._comm_device).contiguous()
+        theirs = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self._peer, self._group),
                dist.P2POp(dist.irecv, theirs, self._peer, self._group)]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        return theirs
+        return theirs.to(mine.device)
 
     @torch.no_grad()
     def copy_initial_weights(self) -> None:
