@@ -102,7 +102,11 @@ class TiedEmbeddings:
 
     @torch.no_grad()
     def copy_initial_weights(self) -> None:
-        """Give the output copy the embedding's values (call once, after initialisation)."""
+        """Give the output copy the embedding's values (call once on every pp rank, after
+        initialisation)."""
+        # NCCL: the first operation on a group must involve all of its ranks, and the pair's
+        # send/receive may be the first on the pp group (the schedule's come later).
+        dist.all_reduce(torch.zeros(1, device=self._comm_device), group=self._group)
         if not self.active:
             return
         if self._peer is None:
