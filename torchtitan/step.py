@@ -127,10 +127,7 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
                 run.job_config.training.max_norm,
                 foreach=True,
                 pp_mesh=run.parallel_dims.get_mesh("pp"),
-                exclude_from_norm=(
-                    run.pipeline.tied.norm_duplicates()
-                    if run.pipeline is not None and run.pipeline.tied is not None else ()
-                ),
+                exclude_from_norm=run.pipeline.norm_duplicates() if run.pipeline is not None else (),
             )
     loss = dist_utils.dist_reduce(local_loss / n_loss_ranks, "sum", loss_mesh)
     if run.pipeline is not None:  # only last-stage ranks hold it; the others add 0

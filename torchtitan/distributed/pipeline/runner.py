@@ -98,6 +98,10 @@ class Pipeline:
             layout, self.stages, n_microbatches, pp_mesh.size(), self._scaled_loss
         )
 
+    def norm_duplicates(self) -> list[nn.Parameter]:
+        """Parameters the grad norm leaves out: copies of a weight counted on another stage."""
+        return self.tied.norm_duplicates() if self.tied is not None else []
+
     def _scaled_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(pred, labels) * self._loss_scale
 
