@@ -26,7 +26,9 @@ from tests.conftest import REPO_ROOT
 from tests.distributed.launcher import launch
 from tests.distributed.trainer_runs import (
     BASE_ARGS,
+    NORM_TOL,
     STEPS,
+    TOL,
     from_seed,
     resume_args,
     run_sequence,
@@ -35,8 +37,6 @@ from tests.distributed.trainer_runs import (
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
-TOL = dict(rtol=1e-5, atol=1e-5)
-NORM_TOL = dict(rtol=1e-4, atol=1e-5)
 TIED = ["--model.name", "qwen3", "--model.flavor", "debugmodel"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 LOAD_ONLY = ["--checkpoint.load_only"]  # a resumed run leaves the folder it resumed from as it was
