@@ -107,7 +107,6 @@ def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, mode
     from torchtitan.distributed.parallel_dims import ParallelismError
     from torchtitan.distributed.pipeline import (
         check_microbatches,
-        check_pipeline_composition,
         check_split_backward_schedule,
         n_microbatches_for,
         resolve_pipeline_layout,
@@ -118,7 +117,6 @@ def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, mode
             f"model {cfg.model.name} has no pipeline support; set "
             "parallelism.pipeline_parallel_degree=1"
         )
-    check_pipeline_composition(parallel_dims)
     p = cfg.parallelism
     layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
     n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)

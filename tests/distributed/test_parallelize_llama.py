@@ -156,9 +156,20 @@ def test_ddp_when_only_replicating():
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_ddp_with_tp_is_rejected():
-    with pytest.raises(ValueError, match="DDP .* cannot be combined with tensor parallelism"):
-        _build(Layout("ddp_tp", dp_replicate=4, tp=2))
+def test_ddp_with_tp_replicates_through_fsdp2():
+    """Classic DDP cannot hold TP's DTensor parameters: with TP, replication is FSDP2's
+    replicate (whole parameters, Replicate on dp_replicate, gradients all-reduced per unit)."""
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+    model, _ = _build(Layout("ddp_tp", dp_replicate=4, tp=2))
+    units = [name for name, m in model.named_modules() if isinstance(m, ReplicateModule)]
+    assert units == ["", "tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    assert not any(isinstance(m, FSDPModule) and not isinstance(m, ReplicateModule)
+                   for m in model.modules())  # nothing sharded
+    wq = model.layers["0"].attention.wq.weight
+    assert wq.device_mesh.mesh_dim_names == ("dp_replicate", "tp")
+    assert wq.placements == (Replicate(), Shard(0))
+    assert tuple(wq.to_local().shape) == (wq.shape[0] // 2, wq.shape[1])  # whole on dp
 
 
 def test_fsdp_meshes():

@@ -7,6 +7,11 @@ many ignored labels and rank 1's none, so the per-rank token counts differ: the 
 normalisation (summed token loss x n_loss_ranks / global valid tokens) is only right if the
 number of loss ranks and the global token count are both used. Per-step loss and grad norm
 (clipping at 0.5 is active) agree within rtol/atol 1e-5 (fp32 reduction-order noise).
+
+DDP also composes with tensor and pipeline parallelism (4 ranks: two replicas of TP2 or PP2;
+classic DDP cannot, so these replicate through FSDP2's ``replicate``): DDP2 x TP2, DDP2 x PP2
+(zero-bubble, two microbatches accumulated per rank) and DDP2 x PP2 resumed from DDP2 x TP2's
+step-2 checkpoint equal the one-rank run too.
 """
 
 from __future__ import annotations
@@ -15,12 +20,18 @@ import pytest
 import torch
 
 from tests.distributed.launcher import launch
-from tests.distributed.trainer_runs import STEPS, from_seed, run_sequence, seed_args
+from tests.distributed.trainer_runs import (
+    BASE_ARGS,
+    NORM_TOL,
+    STEPS,
+    TOL,
+    from_seed,
+    resume_args,
+    run_sequence,
+    seed_args,
+)
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
-
-TOL = dict(rtol=1e-5, atol=1e-5)
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
@@ -38,7 +49,25 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     out = {"one": [one[0][1]]}
     for i, name in enumerate(layouts):
         out[name] = [rank[i] for rank in per_rank]
+    saved = str(root / "ddp2_tp2")
+    composed = {  # the TP run saves at step 2; PP2 resumes from it in the same ranks
+        "ddp2_tp2": [*BASE_ARGS, *DDP2, *TP2, "--job.dump_folder", saved, "--checkpoint.enable",
+                     "--checkpoint.initial_load_path", seed_dir, "--checkpoint.interval", "2"],
+        "ddp2_pp2_accumulating": from_seed(seed_dir, str(root / "pp"), *DDP2, *PP2,
+                                           "--parallelism.pipeline_parallel_schedule",
+                                           "ZBVZeroBubble", "--training.local_batch_size", "2"),
+        "ddp2_pp2_resumed": resume_args(saved, 2, *DDP2, *PP2, "--checkpoint.load_only"),
+    }
+    per_rank = launch(run_sequence, 4, list(composed.values()), timeout_s=300)
+    for i, name in enumerate(composed):
+        out[name] = [rank[i] for rank in per_rank]
     return out
+
+
+DDP2 = ["--parallelism.data_parallel_shard_degree", "1",
+        "--parallelism.data_parallel_replicate_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 
 def test_one_rank_accumulates_what_two_ranks_split(runs):
@@ -55,5 +84,20 @@ def test_two_data_parallel_ranks_match_one_rank(layout, runs):
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(
                 run[key], reference[key], **TOL,
+                msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
+            )
+
+
+@pytest.mark.parametrize("layout", ["ddp2_tp2", "ddp2_pp2_accumulating", "ddp2_pp2_resumed"])
+def test_ddp_composed_with_tp_or_pp_matches_one_rank(layout, runs):
+    reference = runs["one"][0]
+    first = runs[layout][0]["first_step"][0]
+    assert first == (3 if layout.endswith("resumed") else 1)
+    expected_accumulation = 2 if layout.endswith("accumulating") else 1
+    for rank, run in enumerate(runs[layout]):
+        assert run["accumulation"] == [expected_accumulation]
+        for key, tol in (("loss", TOL), ("grad_norm", NORM_TOL)):
+            torch.testing.assert_close(
+                run[key], reference[key][first - 1:], **tol,
                 msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
             )

@@ -38,11 +38,6 @@ def test_single_device_has_no_parallelism():
          r"their tokens\): to use them for the experts too, set "
          r"parallelism.expert_tensor_parallel_degree=2 \(each expert's hidden dimension split "
          r"over TP\) with an expert_parallel_degree that divides 2$"),
-        # found before any rank starts (it was found in apply_data_parallel, on every rank)
-        (4, dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=1,
-                 tensor_parallel_degree=2),
-         r"^DDP \(parallelism.data_parallel_replicate_degree > 1 with data_parallel_shard_degree "
-         r"= 1\) cannot be combined with tensor parallelism"),
         # expert TP already on: the line must not suggest turning it on
         (2, dict(expert_parallel_degree=2, tensor_parallel_degree=2,
                  expert_tensor_parallel_degree=2),

@@ -333,13 +333,9 @@ def test_supported_microbatch_counts_pass(schedule, n_mb):
 
 
 # --- pipeline_llama's up-front errors (no process group needed) ---------------------------------
-def _stub_dims(ddp: bool = False):
+def _stub_dims():
     mesh = SimpleNamespace(get_local_rank=lambda: 0, get_group=lambda: None)
-    return SimpleNamespace(
-        get_mesh=lambda name: mesh if name == "pp" else None,
-        dp_replicate_enabled=ddp,
-        fsdp_enabled=False,
-    )
+    return SimpleNamespace(get_mesh=lambda name: mesh if name == "pp" else None)
 
 
 def _job(schedule: str = "1F1B", local_bs: int = 4, mbs: int = 1) -> JobConfig:
@@ -364,19 +360,6 @@ def test_pipeline_llama_rejects_too_few_microbatches_before_building_stages():
             None,
         )
 
-
-def test_pipeline_llama_rejects_ddp():
-    args = _args(4)
-    with pytest.raises(ValueError, match="cannot be combined with DDP"):
-        pipeline_llama(
-            _meta_model(4),
-            _stub_dims(ddp=True),
-            _job(),
-            torch.device("cpu"),
-            args,
-            None,
-            None,
-        )
 
 
 def test_split_points_cut_stages_like_upstreams_older_setting():

@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2 / HSDP via ``fully_shard`` and DDP via ``replicate``.
+"""Data parallelism: FSDP2 / HSDP via ``fully_shard``; DDP via ``replicate`` (FSDP2's with TP/PP).
 
 Gradients are *averaged* over the data-parallel ranks by both FSDP2 and DDP (the usual
 semantics): a loss that is a per-rank mean over equally many tokens gives the gradient of the
@@ -242,6 +242,32 @@ def apply_ddp(
     return model
 
 
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Replicate ``model`` over the 1-D ``dp_mesh`` with FSDP2's replicate: DDP semantics
+    (whole parameters on every rank, gradients all-reduced and averaged) built on FSDP2's
+    machinery, so it composes with tensor-parallel DTensor parameters and with pipeline
+    schedules (several microbatch backwards per step), which classic DDP's reducer does not.
+
+    Units as in :func:`apply_fsdp`: ``tok_embeddings``, each block, ``[norm, output]``, root;
+    each unit all-reduces its gradients as soon as its backward is done.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    tied = _is_tied(model)
+    emb = _submodule(model, "tok_embeddings")
+    if emb is not None and not tied:
+        replicate(emb, mesh=dp_mesh)
+    layers = _submodule(model, "layers")
+    for block in list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or []):
+        replicate(block, mesh=dp_mesh)
+    tail = [m for m in (_submodule(model, "norm"), _submodule(model, "output")) if m is not None]
+    if tail and not tied:
+        replicate(tail if len(tail) > 1 else tail[0], mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    logger.info(f"Applied DDP (FSDP2 replicate) to the model (dp_replicate={dp_mesh.size()})")
+    return model
+
+
 _override: Callable[..., nn.Module] | None = None
 
 
@@ -267,7 +293,8 @@ def apply_data_parallel(
     enable_compile: bool = False,
     enable_compiled_autograd: bool = False,
 ) -> nn.Module:
-    """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1, else nothing.
+    """FSDP/HSDP when dp_shard or cp > 1, else DDP when dp_replicate > 1 (FSDP2's replicate
+    under TP or PP, classic DDP otherwise), else nothing.
 
     Inside :func:`data_parallel_override` the given function is applied instead (e.g.
     gather-on-use DTensor parameters under LocalTensorMode, where ``fully_shard`` cannot run).
@@ -297,5 +324,7 @@ def apply_data_parallel(
             )
         mesh = parallel_dims.get_mesh("dp_replicate")
         assert mesh is not None
+        if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
+            return apply_replicate(model, mesh)
         return apply_ddp(model, mesh, enable_compile, enable_compiled_autograd)
     return model

@@ -120,12 +120,6 @@ class ParallelDims:
                 "whole on every TP rank) or equal parallelism.tensor_parallel_degree="
                 f"{self.tp} (the experts' hidden dimension split over the TP ranks)"
             )
-        if self.dp_replicate > 1 and not self.fsdp_enabled and self.tp > 1:
-            raise ParallelismError(
-                "DDP (parallelism.data_parallel_replicate_degree > 1 with "
-                "data_parallel_shard_degree = 1) cannot be combined with tensor parallelism; "
-                "set parallelism.data_parallel_shard_degree > 1 to use FSDP/HSDP with TP"
-            )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
         """Checks that need the model shape and sequence length."""

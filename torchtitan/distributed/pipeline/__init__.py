@@ -18,7 +18,6 @@ from torchtitan.distributed.pipeline.schedules import (
     build_pipeline_schedule,
     build_pipeline_stages,
     check_microbatches,
-    check_pipeline_composition,
     check_split_backward_schedule,
     n_microbatches_for,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "build_pipeline_schedule",
     "build_pipeline_stages",
     "check_microbatches",
-    "check_pipeline_composition",
     "check_split_backward_schedule",
     "generate_fqns_per_stage",
     "get_schedule_class",

@@ -24,22 +24,6 @@ from torchtitan.distributed.pipeline.planning import (
 from torchtitan.tools.logging import logger
 
 
-def check_pipeline_composition(parallel_dims) -> None:
-    """Reject compositions with pipeline parallelism that train incorrectly.
-
-    DDP (``data_parallel_replicate_degree > 1`` without sharding) syncs gradients from its own
-    reducer, which expects one backward per forward; pipeline schedules run several microbatch
-    forwards first, and in torch 2.13 the resulting gradients are wrong (measured: the loss
-    drifts from the single-device run from step 2). FSDP and HSDP are handled by the stages.
-    """
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        raise ValueError(
-            "pipeline parallelism cannot be combined with DDP (parallelism."
-            "data_parallel_replicate_degree > 1 with data_parallel_shard_degree = 1); use "
-            "data_parallel_shard_degree > 1 instead (FSDP, or HSDP together with replicate)"
-        )
-
-
 def n_microbatches_for(cfg: Parallelism, local_batch_size: int) -> int:
     """``local_batch_size // pipeline_parallel_microbatch_size`` (or the older
     ``pipeline_parallel_microbatches``); ValueError unless it divides."""

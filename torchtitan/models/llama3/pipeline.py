@@ -16,7 +16,6 @@ from torchtitan.distributed.pipeline import (
     Pipeline,
     build_pipeline_stages,
     check_microbatches,
-    check_pipeline_composition,
     check_split_backward_schedule,
     n_microbatches_for,
     pipeline_module_split,
@@ -44,7 +43,6 @@ def pipeline_llama(
     pp_mesh = parallel_dims.get_mesh("pp")
     if pp_mesh is None:
         raise ValueError("pipeline_llama needs parallelism.pipeline_parallel_degree > 1")
-    check_pipeline_composition(parallel_dims)
     layout = resolve_pipeline_layout(
         cfg, model, n_layers=model_args.n_layers, pp_rank=pp_mesh.get_local_rank()
     )
