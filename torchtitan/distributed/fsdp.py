@@ -9,6 +9,7 @@ training loop that normalises by the global token count itself.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -251,7 +252,15 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     Units as in :func:`apply_fsdp`: ``tok_embeddings``, each block, ``[norm, output]``, root;
     each unit all-reduces its gradients as soon as its backward is done.
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:
+        replicate = None
+    if replicate is None or "mesh" not in inspect.signature(replicate).parameters:
+        raise ValueError(
+            f"DDP with tensor or pipeline parallelism needs FSDP2's replicate, which torch "
+            f"{torch.__version__} lacks; set parallelism.data_parallel_shard_degree > 1 (FSDP/HSDP)"
+        )
 
     tied = _is_tied(model)
     emb = _submodule(model, "tok_embeddings")
