@@ -36,6 +36,12 @@ from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.compile import isolate_compile_cache
 from torchtitan.distributed.expert_parallel import expert_grad_scaler
 from torchtitan.distributed.fsdp import to_torch_dtype
+from torchtitan.distributed.mixed_precision import (
+    apply_autocast,
+    autocast_dtype,
+    compute_dtype,
+    log_precision,
+)
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.distributed.pipeline import Pipeline
 from torchtitan.models import ModelSpec, get_model_spec
@@ -182,14 +188,6 @@ def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
         )
 
 
-def compute_dtype(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
-    """The dtype the model computes in: FSDP's mixed-precision param dtype when FSDP shards
-    the model, else ``training.dtype`` (one rank, DDP, TP or PP without FSDP)."""
-    if parallel_dims.fsdp_enabled:
-        return cfg.training.mixed_precision_param
-    return cfg.training.dtype
-
-
 def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
     """``(global batch size, microbatches per optimizer step)`` for ``dp_degree`` data ranks."""
     local_bs = cfg.training.local_batch_size
@@ -299,6 +297,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                 model = spec.parallelize_fn(model, parallel_dims, cfg)
             model_parts = [model]
         del model
+        autocast = autocast_dtype(cfg.training, parallel_dims)
+        log_precision(cfg.training, parallel_dims)
         with comm_mode.materialize():
             for part in model_parts:
                 part.to_empty(device=device)
@@ -306,6 +306,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     part.init_weights(buffer_device=None)
                 if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
                     part.to(to_torch_dtype(cfg.training.dtype, "training.dtype"))
+                if autocast is not None:
+                    apply_autocast(part, device.type, autocast)
                 part.train()
             tied = pipeline.tied if pipeline is not None else None
             if tied is not None:
@@ -351,7 +353,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
             + ([tied.sum_gradients] if tied is not None else [])
         ),
         moe_layers=layers,
-        compute_dtype=compute_dtype(cfg, parallel_dims),
+        compute_dtype=compute_dtype(cfg.training, parallel_dims),
         loss_parallel=parallel_dims.loss_parallel_enabled
         and not cfg.parallelism.disable_loss_parallel,
         converters=converters,

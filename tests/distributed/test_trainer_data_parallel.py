@@ -11,7 +11,8 @@ number of loss ranks and the global token count are both used. Per-step loss and
 DDP also composes with tensor and pipeline parallelism (4 ranks: two replicas of TP2 or PP2;
 classic DDP cannot, so these replicate through FSDP2's ``replicate``): DDP2 x TP2, DDP2 x PP2
 (zero-bubble, two microbatches accumulated per rank) and DDP2 x PP2 resumed from DDP2 x TP2's
-step-2 checkpoint equal the one-rank run too.
+step-2 checkpoint equal the one-rank run too. With ``mixed_precision_param = bfloat16`` (no
+FSDP, so autocast) one rank and DDP2 x TP2 agree to bf16 noise and differ from float32.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     root = tmp_path_factory.mktemp("dp")
     seed_dir = str(root / "seed" / "checkpoint" / "step-0")
     seed = seed_args(str(root / "seed"))
-    one = launch(run_sequence, 1, [seed, from_seed(seed_dir, str(root / "one"))], timeout_s=180)
+    one = launch(run_sequence, 1, [seed, from_seed(seed_dir, str(root / "one")),
+                                   from_seed(seed_dir, str(root / "one_bf16"), *BF16)],
+                 timeout_s=180)
     layouts = {
         "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
         "ddp2": ["--parallelism.data_parallel_shard_degree", "1",
@@ -46,7 +49,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     }
     argvs = [from_seed(seed_dir, str(root / name), *flags) for name, flags in layouts.items()]
     per_rank = launch(run_sequence, 2, argvs, timeout_s=240)
-    out = {"one": [one[0][1]]}
+    out = {"one": [one[0][1]], "one_bf16": [one[0][2]]}
     for i, name in enumerate(layouts):
         out[name] = [rank[i] for rank in per_rank]
     saved = str(root / "ddp2_tp2")
@@ -57,6 +60,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
                                            "--parallelism.pipeline_parallel_schedule",
                                            "ZBVZeroBubble", "--training.local_batch_size", "2"),
         "ddp2_pp2_resumed": resume_args(saved, 2, *DDP2, *PP2, "--checkpoint.load_only"),
+        "ddp2_tp2_bf16": from_seed(seed_dir, str(root / "bf16"), *DDP2, *TP2, *BF16),
     }
     per_rank = launch(run_sequence, 4, list(composed.values()), timeout_s=300)
     for i, name in enumerate(composed):
@@ -68,6 +72,7 @@ DDP2 = ["--parallelism.data_parallel_shard_degree", "1",
         "--parallelism.data_parallel_replicate_degree", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+BF16 = ["--training.mixed_precision_param", "bfloat16"]  # the debug config's is float32
 
 
 def test_one_rank_accumulates_what_two_ranks_split(runs):
@@ -101,3 +106,13 @@ def test_ddp_composed_with_tp_or_pp_matches_one_rank(layout, runs):
                 run[key], reference[key][first - 1:], **tol,
                 msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
             )
+
+
+def test_mixed_precision_without_fsdp_is_autocast_on_every_layout(runs):
+    """mixed_precision_param=bfloat16 without FSDP: one rank and DDP2 x TP2 both autocast
+    (float32 parameters), so they agree to bf16 noise, and both differ from float32."""
+    fp32, bf16 = runs["one"][0]["loss"], runs["one_bf16"][0]["loss"]
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) > 1e-5  # bf16 matmuls ran
+    for rank, run in enumerate(runs["ddp2_tp2_bf16"]):
+        torch.testing.assert_close(run["loss"], bf16, rtol=0, atol=5e-4,
+                                   msg=lambda m, r=rank: f"rank {r}: {m}")

@@ -84,33 +84,37 @@ def test_wandb_offline(dump_folder, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "degrees, dtype, expected",
+    "degrees, dtype, mp, expected",
     [
-        # one rank with the default dp_shard=-1 resolves to no FSDP: no mixed precision
-        (dict(world_size=1), "float32", "float32"),
-        (dict(world_size=1), "bfloat16", "bfloat16"),
-        # DDP has no mixed-precision policy: the model computes in training.dtype
+        # without FSDP, mixed_precision_param is applied by autocast (float32 parameters)
+        (dict(world_size=1), "float32", "bfloat16", "bfloat16"),
+        (dict(world_size=1), "float32", "float32", "float32"),
+        (dict(world_size=1), "bfloat16", "float32", "bfloat16"),  # pure bf16 parameters
         (dict(world_size=2, data_parallel_replicate_degree=2, data_parallel_shard_degree=1),
-         "float32", "float32"),
+         "float32", "bfloat16", "bfloat16"),
         (dict(world_size=2, tensor_parallel_degree=2, data_parallel_shard_degree=1),
-         "float32", "float32"),
+         "float32", "bfloat16", "bfloat16"),
+        (dict(world_size=2, tensor_parallel_degree=2, data_parallel_shard_degree=1),
+         "float32", "float32", "float32"),
         # FSDP/HSDP cast parameters to mixed_precision_param for compute
-        (dict(world_size=2), "float32", "bfloat16"),
-        (dict(world_size=4, data_parallel_replicate_degree=2), "float32", "bfloat16"),
+        (dict(world_size=2), "float32", "bfloat16", "bfloat16"),
+        (dict(world_size=2), "bfloat16", "float32", "float32"),
+        (dict(world_size=4, data_parallel_replicate_degree=2), "float32", "bfloat16", "bfloat16"),
     ],
 )
-def test_mfu_peak_follows_the_dtype_the_model_computes_in(degrees, dtype, expected, monkeypatch):
-    from torchtitan.build import compute_dtype
+def test_mfu_peak_follows_the_dtype_the_model_computes_in(degrees, dtype, mp, expected,
+                                                          monkeypatch):
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config.job_config import JobConfig, Parallelism
+    from torchtitan.distributed.mixed_precision import compute_dtype
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.tools import device as device_tools
 
     world_size = degrees.pop("world_size")
     cfg = JobConfig()
-    cfg.training.dtype, cfg.training.mixed_precision_param = dtype, "bfloat16"
+    cfg.training.dtype, cfg.training.mixed_precision_param = dtype, mp
     dims = ParallelDims.from_config(Parallelism(**degrees), world_size)
-    assert compute_dtype(cfg, dims) == expected
+    assert compute_dtype(cfg.training, dims) == expected
     monkeypatch.setattr(device_tools, "device_name", lambda: "NVIDIA H100 80GB HBM3")
-    metrics = MetricsProcessor(cfg, rank=0, compute_dtype=compute_dtype(cfg, dims))
+    metrics = MetricsProcessor(cfg, rank=0, compute_dtype=compute_dtype(cfg.training, dims))
     assert metrics.peak_flops == {"float32": 494.7e12, "bfloat16": 989.5e12}[expected]

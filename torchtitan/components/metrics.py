@@ -112,8 +112,9 @@ class MetricsProcessor:
     """Accumulates per-step counters and emits the metrics of each logged step."""
 
     def __init__(self, job_config: JobConfig, *, rank: int, compute_dtype: str) -> None:
-        """``compute_dtype`` is the dtype the model's matmuls run in (``build.compute_dtype``):
-        MFU is measured against the device's peak for that dtype."""
+        """``compute_dtype`` is the dtype the model's matmuls run in
+        (``distributed.mixed_precision.compute_dtype``): MFU is measured against the device's
+        peak for that dtype."""
         self.cfg = job_config.metrics
         self.color = _Color(not self.cfg.disable_color_printing)
         self.memory_monitor = MemoryMonitor()

@@ -95,11 +95,11 @@ class MXConverter(ModelConverter):
                            f"{resolve_recipe(mx.recipe_name)!r}")
         self.recipe = resolve_recipe(mx.recipe_name)
         self.config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(self.recipe))
-        fsdp = bool(getattr(parallel_dims, "fsdp_enabled", False))
-        t = job_config.training
+        from torchtitan.distributed.mixed_precision import compute_dtype
+
         # The grouped GEMMs' output dtype: the dtype the model computes in; torchao's emulation
         # dequantizes to bf16 (exact for MXFP8 values) and CPU grouped GEMMs keep their dtype.
-        dtype = t.mixed_precision_param if fsdp else t.dtype
+        dtype = compute_dtype(job_config.training, parallel_dims)
         fp32 = dtype == "float32" and self.recipe != EMULATED
         self.config.out_dtype = torch.float32 if fp32 else torch.bfloat16
         self.filter_fqns = list(mx.filter_fqns)

@@ -198,13 +198,16 @@ class Training:
     """Number of training steps."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype when FSDP mixed precision is not used (bfloat16 trains fully in bf16)."""
+    """Parameter dtype without FSDP (bfloat16 trains fully in bf16, no autocast); FSDP keeps
+    float32 parameters and applies mixed_precision_param."""
 
     enable_cpu_offload: bool = False
     """Offload parameters, gradients and optimizer state to the CPU (FSDP2)."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter/compute dtype under FSDP mixed precision."""
+    """Compute dtype: FSDP/HSDP cast parameters to it (mixed-precision policy); every other
+    layout (one device, DDP, TP or PP without FSDP) runs its forward under torch.autocast to it
+    with float32 parameters. float32 turns mixed precision off."""
 
     mixed_precision_reduce: Literal["float32"] = "float32"
     """Gradient reduction dtype under FSDP mixed precision."""
