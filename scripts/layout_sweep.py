@@ -7,8 +7,8 @@ one line and exit 2; a resume at another random layout must load the checkpoint 
 Slow, not part of CI. Each trial draws a model (Llama 3 tiny, Qwen3, Qwen3 MoE, DeepSeek-V3
 debug), NGPU in {1, 2, 4}, degrees for TP / PP (and a schedule) / CP / replicate, expert
 parallel and expert TP for MoE models, compile (aot_eager or inductor), AC, document masking
-(SDPA or FlexAttention), float8 (emulated) and gradient accumulation, and runs 2 steps through
-``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same
+(SDPA or FlexAttention), float8 (emulated), bf16 mixed precision and gradient accumulation, and
+runs 2 steps through ``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same
 model resumes it to step 3 (redrawn while it is refused as a user error). Verdicts:
 
 * ``ok``: exit 0, steps logged (and, for a resume, "Checkpoint: loaded");
@@ -77,6 +77,8 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
             flags += ["--model.use_flex_attn"]
     if rng.random() < 0.2:
         flags += ["--model.converters", "float8", "--float8.emulate"]
+    if rng.random() < 0.25:  # FSDP's bf16 policy, or autocast on layouts without FSDP
+        flags += ["--training.mixed_precision_param", "bfloat16"]
     if rng.random() < 0.2:  # two microbatches per step
         dp = left * degrees["data_parallel_replicate"]
         flags += ["--training.global_batch_size", str(2 * local_batch * dp)]
