@@ -147,10 +147,13 @@ def test_cpu_offload_and_mixed_precision(shard_calls):
     assert kwargs["mp_policy"].param_dtype == torch.bfloat16
 
 
-def test_ddp_when_only_replicating():
+def test_ddp_when_only_replicating(caplog):
     from torch.distributed._composable.replicate import replicate
 
-    model, _ = _build(Layout("ddp", dp_replicate=8))
+    with caplog.at_level("INFO", logger="torchtitan"):
+        model, _ = _build(Layout("ddp", dp_replicate=8),
+                          parallelism__fsdp_reshard_after_forward="always")
+    assert "fsdp_reshard_after_forward=always has no effect without FSDP" in caplog.text
     assert replicate.state(model) is not None  # DDP's state is registered on the model
     assert not isinstance(model, FSDPModule)
     assert not any(isinstance(p, DTensor) for p in model.parameters())

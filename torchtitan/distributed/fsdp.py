@@ -325,6 +325,11 @@ def apply_data_parallel(
             reshard_after_forward_policy=reshard_after_forward_policy,
             expert_mesh=get_expert_fsdp_mesh(parallel_dims),
         )
+    if reshard_after_forward_policy != "default":
+        logger.info(
+            f"parallelism.fsdp_reshard_after_forward={reshard_after_forward_policy} has no "
+            "effect without FSDP (data_parallel_shard_degree x context_parallel_degree = 1)"
+        )
     if parallel_dims.dp_replicate_enabled:
         if cpu_offload:
             raise ValueError(
