@@ -166,3 +166,23 @@ def test_compiled_float32_moe_equals_eager():
     x = torch.randn(2, 5, 16)
     compiled = torch.compile(moe, backend="eager")
     torch.testing.assert_close(compiled(x), moe(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_experts_run_in_the_autocast_dtype_with_float32_weights(grouped):
+    """Autocast covers matmuls but not torch._grouped_mm: the experts cast their weights to
+    the autocast dtype themselves, so their GEMMs run in bf16 like every other matmul."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=32, hidden_dim=48, num_experts=4, use_grouped_mm=grouped)
+    experts.init_weights(0.02)
+    x = torch.randn(24, 32)
+    counts = torch.tensor([5, 0, 12, 7])
+    reference = experts(x, counts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(x, counts)
+    assert reference.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=2e-3)
+    out.float().square().sum().backward()
+    assert all(w.dtype == w.grad.dtype == torch.float32 for w in experts.parameters())

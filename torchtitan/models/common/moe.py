@@ -161,10 +161,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, D]``: tokens sorted by expert, ``num_tokens_per_expert[e]`` of expert e."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
-        if self.use_grouped_mm and _grouped_mm_supported(x):
+        w1, w2, w3 = (_autocast(_local(w), x.device.type) for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped_mm and _grouped_mm_supported(w1):
             return _run_grouped(x, num_tokens_per_expert, w1, w2, w3)
         return _run_loop(x, num_tokens_per_expert, w1, w2, w3)
+
+
+def _autocast(w: torch.Tensor, device_type: str) -> torch.Tensor:
+    """``w`` in the autocast dtype when autocast is on: autocast casts matmuls but not
+    ``torch._grouped_mm``, so the experts cast their weights themselves. Converter weight
+    wrappers (float8 / MX) choose their own dtypes and are left as they are."""
+    if not torch.is_autocast_enabled(device_type) or type(w) not in (torch.Tensor, nn.Parameter):
+        return w
+    dtype = torch.get_autocast_dtype(device_type)
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -174,10 +184,11 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
-    if x.dtype == torch.float32 and torch.compiler.is_compiling():
+def _grouped_mm_supported(w: torch.Tensor) -> bool:
+    """Whether the grouped GEMM runs in ``w``'s dtype (the inputs are cast to it)."""
+    if w.dtype == torch.float32 and torch.compiler.is_compiling():
         return False  # grouped GEMM's meta kernel (used by torch.compile) accepts bf16 only
-    return hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16)
+    return hasattr(torch, "_grouped_mm") and w.dtype in (torch.float32, torch.bfloat16)
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
