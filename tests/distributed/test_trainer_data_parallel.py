@@ -13,6 +13,7 @@ classic DDP cannot, so these replicate through FSDP2's ``replicate``): DDP2 x TP
 (zero-bubble, two microbatches accumulated per rank) and DDP2 x PP2 resumed from DDP2 x TP2's
 step-2 checkpoint equal the one-rank run too. With ``mixed_precision_param = bfloat16`` (no
 FSDP, so autocast) one rank and DDP2 x TP2 agree to bf16 noise and differ from float32.
+DDP2 x TP2 also steps the optimizer in backward (``optimizer.early_step_in_backward``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     seed_dir = str(root / "seed" / "checkpoint" / "step-0")
     seed = seed_args(str(root / "seed"))
     one = launch(run_sequence, 1, [seed, from_seed(seed_dir, str(root / "one")),
-                                   from_seed(seed_dir, str(root / "one_bf16"), *BF16)],
+                                   from_seed(seed_dir, str(root / "one_bf16"), *BF16),
+                                   from_seed(seed_dir, str(root / "one_no_clip"), *NO_CLIP)],
                  timeout_s=180)
     layouts = {
         "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
@@ -49,7 +51,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     }
     argvs = [from_seed(seed_dir, str(root / name), *flags) for name, flags in layouts.items()]
     per_rank = launch(run_sequence, 2, argvs, timeout_s=240)
-    out = {"one": [one[0][1]], "one_bf16": [one[0][2]]}
+    out = {"one": [one[0][1]], "one_bf16": [one[0][2]], "one_no_clip": [one[0][3]]}
     for i, name in enumerate(layouts):
         out[name] = [rank[i] for rank in per_rank]
     saved = str(root / "ddp2_tp2")
@@ -61,6 +63,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
                                            "ZBVZeroBubble", "--training.local_batch_size", "2"),
         "ddp2_pp2_resumed": resume_args(saved, 2, *DDP2, *PP2, "--checkpoint.load_only"),
         "ddp2_tp2_bf16": from_seed(seed_dir, str(root / "bf16"), *DDP2, *TP2, *BF16),
+        "ddp2_tp2_early_step": from_seed(seed_dir, str(root / "early"), *DDP2, *TP2, *NO_CLIP,
+                                         "--optimizer.early_step_in_backward"),
     }
     per_rank = launch(run_sequence, 4, list(composed.values()), timeout_s=300)
     for i, name in enumerate(composed):
@@ -73,6 +77,7 @@ DDP2 = ["--parallelism.data_parallel_shard_degree", "1",
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]  # the debug config's is float32
+NO_CLIP = ["--training.max_norm", "0"]  # stepping in backward needs it
 
 
 def test_one_rank_accumulates_what_two_ranks_split(runs):
@@ -116,3 +121,14 @@ def test_mixed_precision_without_fsdp_is_autocast_on_every_layout(runs):
     for rank, run in enumerate(runs["ddp2_tp2_bf16"]):
         torch.testing.assert_close(run["loss"], bf16, rtol=0, atol=5e-4,
                                    msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def test_ddp_with_tp_steps_in_backward_after_the_all_reduce(runs):
+    """FSDP2's replicate fires the post-accumulate-grad hooks on the all-reduced gradients, so
+    optimizer.early_step_in_backward works under DDP x TP (classic DDP refuses it): equal to
+    one rank's usual step. A hook on the unreduced gradient would let the replicas drift."""
+    reference = runs["one_no_clip"][0]
+    for rank, run in enumerate(runs["ddp2_tp2_early_step"]):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(run[key], reference[key], **TOL,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")

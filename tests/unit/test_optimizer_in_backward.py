@@ -103,6 +103,9 @@ def _dims(**degrees) -> ParallelDims:
          "--training.max_norm 0"),
         (_cfg(), _dims(dp_shard=2, ep=2), "expert parallel rescales the expert gradients "
          "after backward"),
+        (_cfg(), _dims(dp_replicate=2), "DDP all-reduces gradients in buckets after the hooks "
+         "fire; use FSDP or HSDP (or DDP with tensor parallelism, which replicates through "
+         "FSDP2)"),
         (_cfg(fault_tolerance__enable=True, fault_tolerance__semi_sync_method="diloco"), _dims(),
          "fault tolerance all-reduces gradients across groups after backward (or, "
          "semi-synchronous, lets a rejoining group copy the weights outside the optimizer step, "
@@ -115,8 +118,8 @@ def test_layouts_it_cannot_serve_are_refused_in_one_line(cfg, dims, why):
     assert str(info.value) == f"optimizer.early_step_in_backward does not work here: {why}"
 
 
-def test_fsdp_hsdp_tp_and_cp_are_accepted():
+def test_fsdp_hsdp_tp_cp_and_ddp_with_tp_are_accepted():
     for dims in (_dims(dp_shard=2), _dims(dp_replicate=2, dp_shard=2), _dims(dp_shard=2, tp=2),
-                 _dims(dp_replicate=2, cp=2)):
+                 _dims(dp_replicate=2, cp=2), _dims(dp_replicate=2, tp=2)):
         check_early_step(_cfg(), dims)
     check_early_step(SimpleNamespace(optimizer=Optimizer()), None)  # off: nothing to check

@@ -7,8 +7,9 @@ estimate of Llama 3 8B on FSDP8 keeps its 40.2 GiB peak) it changes nothing. Und
 hook runs after the gradient's reduce-scatter, on the sharded gradient.
 
 What this excludes (refused by :func:`check_early_step`): clipping by the global grad norm
-(unknown until every gradient exists), pipeline parallel and DDP (gradients are final only
-after their schedule or bucketed all-reduce), expert parallel (it rescales the expert gradients
+(unknown until every gradient exists), pipeline parallel and classic DDP (gradients are final
+only after their schedule or bucketed all-reduce; DDP with TP replicates through FSDP2, whose
+hooks run on the all-reduced gradient, and works), expert parallel (it rescales the expert gradients
 after backward) and fault tolerance (it all-reduces gradients after backward, or reads the live
 weights between optimizer steps). Gradient accumulation works: only the last microbatch's
 backward steps (the container is armed for it). The grad norm is still measured: each hook
@@ -64,8 +65,10 @@ def check_early_step(cfg: Any, parallel_dims: Any) -> None:
         )
     elif parallel_dims.pp_enabled:
         why = "pipeline parallel runs backward per pipeline microbatch inside its schedule"
-    elif parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        why = "DDP all-reduces gradients in buckets after the hooks fire; use FSDP or HSDP"
+    elif (parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled
+          and not parallel_dims.tp_enabled):
+        why = ("DDP all-reduces gradients in buckets after the hooks fire; use FSDP or HSDP "
+               "(or DDP with tensor parallelism, which replicates through FSDP2)")
     elif parallel_dims.ep_enabled:
         why = "expert parallel rescales the expert gradients after backward"
     elif cfg.fault_tolerance.enable:
