@@ -1,18 +1,27 @@
 """Run a function in N real processes joined by a gloo process group (CPU).
 
-``launch(fn, world_size, *args)`` starts ``world_size`` fresh Python processes (``python -m
-tests.distributed.launcher``) with torchrun-style env vars, runs ``fn(*args)`` in each after
-``init_process_group("gloo", timeout=60 s)``, and returns the per-rank results (pickled back
-through files). If any rank fails, the others are killed and ``LaunchError`` carries every
-failing rank's traceback (or its output tail when it died without one). A hard wall-clock
-timeout kills everything. Each worker ends with barrier, destroy_process_group, flush,
-``os._exit`` (gloo can abort in interpreter finalisation otherwise).
+``launch(fn, world_size, *args)`` starts ``world_size`` Python processes with torchrun-style
+env vars, runs ``fn(*args)`` in each after ``init_process_group("gloo", timeout=60 s)``, and
+returns the per-rank results (pickled back through files). If any rank fails, the others are
+killed and ``LaunchError`` carries every failing rank's traceback (or its output tail when it
+died without one). A hard wall-clock timeout kills everything. Each worker ends with barrier,
+destroy_process_group, flush, ``os._exit`` (gloo can abort in interpreter finalisation
+otherwise).
+
+The ranks are forked from a multiprocessing fork server that imported torch and the trainer
+once (importing them took each fresh rank ~2.5 s of CPU: most of a short launch). Each forked
+rank starts its own session, writes to its own log, and takes the launch's environment;
+nothing in the server has run a torch op, started a thread or read a launch variable. With
+``env`` overrides (which may matter at import time) or ``TT_LAUNCH_FRESH=1`` the ranks are
+fresh interpreters instead (``python -m tests.distributed.launcher``).
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -52,13 +61,78 @@ def _target_name(fn: Callable[..., Any]) -> str:
     return f"{module}:{fn.__qualname__}"
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen | _ForkedRank) -> None:
     if proc.poll() is None:
-        try:  # each worker leads its own process group (start_new_session), so this
+        try:  # each worker leads its own process group (its own session), so this
             os.killpg(proc.pid, signal.SIGKILL)  # reaches its helpers too (compile workers)
-        except ProcessLookupError:
-            pass
+        except (ProcessLookupError, PermissionError):  # not yet its own group
+            os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+_PRELOAD = ["torch", "torch.distributed", "torchtitan.train", "tests.distributed.trainer_runs",
+            "tests.distributed.harness"]
+_forkserver: Any = None
+
+
+def _fork_context() -> Any:
+    """The fork server's context, started on first use with the heavy imports done once.
+    libgomp reads OMP_NUM_THREADS when torch loads it, so the server starts with 1 (what
+    fresh ranks default to; a rank sets its own count again after the fork)."""
+    global _forkserver
+    if _forkserver is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _forkserver = ctx
+    return _forkserver
+
+
+class _ForkedRank:
+    """One rank forked from the fork server, with the small part of Popen's API used here."""
+
+    def __init__(self, env: dict[str, str], log: Path):
+        self.process = _fork_context().Process(target=_forked_worker, args=(env, str(log)))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self) -> int:
+        self.process.join()
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+
+def _forked_worker(env: dict[str, str], log: str) -> None:
+    """A forked rank: its own session (so a kill reaches its helpers), output and environment,
+    then the usual worker."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO_ROOT)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    _worker()
 
 
 def _tail(path: Path, n_chars: int = 3000) -> str:
@@ -123,11 +197,15 @@ def _launch_once(
             TT_LAUNCH_DIR=str(work),
         )
         base_env.update(env or {})
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | _ForkedRank] = []
         logs = [work / f"log_{rank}.txt" for rank in range(world_size)]
+        fresh = env is not None or os.environ.get("TT_LAUNCH_FRESH") == "1"
         try:
             for rank in range(world_size):
                 rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                if not fresh:
+                    procs.append(_ForkedRank(rank_env, logs[rank]))
+                    continue
                 with open(logs[rank], "wb") as log:
                     procs.append(
                         subprocess.Popen(

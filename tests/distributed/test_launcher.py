@@ -32,10 +32,16 @@ def test_failure_propagation():
     assert time.monotonic() - start < 30  # the blocked rank is killed, not waited for
 
 
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 @pytest.mark.slow
 def test_wall_timeout_kills_ranks():
-    with pytest.raises(LaunchError, match="timed out after 0 s"):
-        launch(_rank_sum, 2, 1, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out after 1 s"):
+        launch(_sleep, 2, 60.0, timeout_s=1.0)
+    assert time.monotonic() - start < 20  # killed at the deadline, not after the sleep
 
 
 def test_target_must_be_importable():
@@ -63,3 +69,20 @@ def test_native_crash_is_retried_once_with_a_warning(tmp_path):
     with pytest.raises(LaunchError, match=r"(?s)exit codes \[.*-6\].*native crash on rank 1"), \
             pytest.warns(UserWarning, match="retrying after a native crash"):
         launch(_abort_on_rank_1, 2, marker, True)
+
+
+def _env_and_preloaded(key: str) -> tuple[str | None, bool, int]:
+    import os
+    import sys
+
+    return os.environ.get(key), "torchtitan.train" in sys.modules, torch.get_num_threads()
+
+
+@pytest.mark.slow
+def test_forked_ranks_take_the_launch_env_and_env_overrides_get_fresh_ranks(monkeypatch):
+    # forked from the fork server (the trainer already imported), with this launch's env
+    monkeypatch.setenv("TT_PROBE", "forked")
+    assert launch(_env_and_preloaded, 2, "TT_PROBE") == [("forked", True, 1)] * 2
+    # env overrides may matter at import time: fresh interpreters
+    fresh = launch(_env_and_preloaded, 2, "TT_PROBE", env={"TT_PROBE": "fresh"})
+    assert fresh == [("fresh", False, 1)] * 2
