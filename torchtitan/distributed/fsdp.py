@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -113,6 +113,23 @@ def _is_tied(model: nn.Module) -> bool:
     )
 
 
+def _units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module], Any]:
+    """The data-parallel units below the root, shared by FSDP and replicate:
+    ``(tok_embeddings, blocks, norm + output)``. Embeddings and tail are None when missing
+    (pipeline stages) or tied (one weight cannot belong to two units: the root takes it);
+    the tail is one module or the ``[norm, output]`` pair."""
+    tied = _is_tied(model)
+    emb = _submodule(model, "tok_embeddings")
+    layers = _submodule(model, "layers")
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+    tail = [m for m in (_submodule(model, "norm"), _submodule(model, "output")) if m is not None]
+    return (
+        None if tied else emb,
+        blocks,
+        None if tied or not tail else (tail if len(tail) > 1 else tail[0]),
+    )
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -140,13 +157,10 @@ def apply_fsdp(
     # Only "default" applies the keep-the-last-units optimisation; "always" means always.
     keep_last = reshard_after_forward_policy == "default"
 
-    tied = _is_tied(model)
-    emb = _submodule(model, "tok_embeddings")
-    if emb is not None and not tied:
+    emb, blocks, tail = _units(model)
+    if emb is not None:
         fully_shard(emb, reshard_after_forward=reshard, **config)
 
-    layers = _submodule(model, "layers")
-    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
     if expert_mesh is not None:  # expert parallel: experts are their own units on their mesh
         from torchtitan.distributed.expert_parallel import expert_fsdp_units
 
@@ -156,13 +170,8 @@ def apply_fsdp(
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard and not (keep_last and last), **config)
 
-    norm, output = _submodule(model, "norm"), _submodule(model, "output")
-    tail = [m for m in (norm, output) if m is not None]
-    if tail and not tied:
-        tail_reshard = reshard and not keep_last
-        fully_shard(
-            tail if len(tail) > 1 else tail[0], reshard_after_forward=tail_reshard, **config
-        )
+    if tail is not None:
+        fully_shard(tail, reshard_after_forward=reshard and not keep_last, **config)
 
     fully_shard(model, reshard_after_forward=reshard, **config)
     if dp_mesh.device_type == "cpu":
@@ -262,17 +271,10 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
             f"{torch.__version__} lacks; set parallelism.data_parallel_shard_degree > 1 (FSDP/HSDP)"
         )
 
-    tied = _is_tied(model)
-    emb = _submodule(model, "tok_embeddings")
-    if emb is not None and not tied:
-        replicate(emb, mesh=dp_mesh)
-    layers = _submodule(model, "layers")
-    for block in list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or []):
-        replicate(block, mesh=dp_mesh)
-    tail = [m for m in (_submodule(model, "norm"), _submodule(model, "output")) if m is not None]
-    if tail and not tied:
-        replicate(tail if len(tail) > 1 else tail[0], mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+    emb, blocks, tail = _units(model)
+    for unit in [emb, *blocks, tail, model]:
+        if unit is not None:
+            replicate(unit, mesh=dp_mesh)
     logger.info(f"Applied DDP (FSDP2 replicate) to the model (dp_replicate={dp_mesh.size()})")
     return model
 
