@@ -34,7 +34,7 @@ from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.compile import isolate_compile_cache
-from torchtitan.distributed.expert_parallel import expert_grad_scaler
+from torchtitan.distributed.expert_parallel import moe_grad_hooks
 from torchtitan.distributed.fsdp import to_torch_dtype
 from torchtitan.distributed.mixed_precision import (
     apply_autocast,
@@ -320,7 +320,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     f"debug.moe_force_load_balance has no effect: {cfg.model.name} "
                     f"{cfg.model.flavor} has no MoE layers"
                 )
-            check_early_step(cfg, parallel_dims)
+            check_early_step(cfg, parallel_dims, has_moe=bool(layers))
             optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer)
             if tied is not None:
                 optimizers.fqn_aliases = [tied.optimizer_aliases(part) for part in model_parts]
@@ -349,7 +349,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         global_batch_size=global_bs,
         gradient_accumulation_steps=grad_accum,
         after_backward=(
-            ([expert_grad_scaler(model_parts, parallel_dims.ep)] if parallel_dims.ep_enabled else [])
+            moe_grad_hooks(model_parts, parallel_dims)
             + ([tied.sum_gradients] if tied is not None else [])
         ),
         moe_layers=layers,

@@ -137,17 +137,22 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
 
 def optimizer_step(run: RunParts) -> dict[str, float]:
     """Update the MoE load-balancing biases from this step's routing (token counts summed over
-    the data- and context-parallel ranks), apply the optimizers, run the model converters'
+    the data- and context-parallel ranks, and the TP ranks when they split the MoE tokens), apply the optimizers, run the model converters'
     post-optimizer hooks (float8 precomputes its FSDP all-gather scales) and advance the LR
     schedules.
 
     Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers).
     """
-    loss_mesh = run.loss_mesh
+    # the ranks that routed different tokens: data and context parallel, and TP when the TP
+    # ranks split the MoE tokens
+    meshes = [run.loss_mesh]
+    if run.parallel_dims.tp_splits_moe_tokens:
+        meshes.append(run.parallel_dims.get_mesh("tp"))
 
     def reduce_sum(counts: torch.Tensor) -> torch.Tensor:
-        if loss_mesh is not None:
-            torch.distributed.all_reduce(counts, group=loss_mesh.get_group())
+        for mesh in meshes:
+            if mesh is not None:
+                torch.distributed.all_reduce(counts, group=mesh.get_group())
         return counts
 
     with run.comm_mode.step():

@@ -61,9 +61,14 @@ def _cp(n: int) -> list[str]:
 
 HSDP2x2 = [*REP2, *_dp(2), "--training.local_batch_size", "2", *FIVE_STEPS]
 CP2_FSDP2 = [*_cp(2), *_dp(2), *FIVE_STEPS]
+ONE_BATCH = ["--training.local_batch_size", "8"]  # dp 1: the whole global batch per step
 TWO_RANKS = {
     "fsdp2": _dp(2),
     "ep2_fsdp2": [*_dp(2), *_ep(2)],
+    # the TP ranks split the MoE tokens: experts whole (gradients summed over tp), or spread
+    # over ep = the TP ranks (no FSDP)
+    "tp2": [*_dp(1), *TP2, *ONE_BATCH],
+    "ep2_tp2_dp1": [*_dp(1), *TP2, *_ep(2), *ONE_BATCH],
     # op-level SAC (the experts' FSDP unit sits inside the checkpointed block), full AC with
     # per-block compile, and 2 microbatches per step (gradient accumulation)
     "ep2_sac": [*_dp(2), *_ep(2), "--activation_checkpoint.mode", "selective",
@@ -75,9 +80,10 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "fsdp4": [*_dp(4), "--training.local_batch_size", "2"],
     "ep2_fsdp4": [*_dp(4), *_ep(2), "--training.local_batch_size", "2"],
-    "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],
+    "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],  # ep = the TP ranks; experts FSDP over dp_shard
+    "ep4_tp2": [*_dp(2), *TP2, *_ep(4)],  # ep = tp x dp_shard
     "ep2_tp2_etp2": [*_dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
-    "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, "--training.local_batch_size", "8"],  # no EP
+    "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, *ONE_BATCH],  # no EP
     "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
     "hsdp2x2": HSDP2x2,
     "ep2_hsdp2x2": [*HSDP2x2, *_ep(2)],  # experts: HSDP over (dp_replicate 2, dp_shard_mod_ep 1)
@@ -93,7 +99,10 @@ PAIRS = [
     ("ep2_ac_compile", "fsdp2"),
     ("ep2_accum", "fsdp2"),
     ("ep2_fsdp4", "fsdp4"),
+    ("tp2", "fsdp2"),  # dp 1 vs 2, one global batch
+    ("ep2_tp2_dp1", "fsdp2"),
     ("ep2_tp2", "fsdp2"),  # dp 2 in both: the same data
+    ("ep4_tp2", "fsdp2"),
     ("ep2_pp2", "fsdp2"),
     ("ep2_tp2_etp2", "fsdp2"),
     ("etp2_pp2", "fsdp2"),  # dp 1 vs 2, one global batch
@@ -159,6 +168,10 @@ def test_expert_parallel_matches_the_layout_without_it(ep_layout, reference, run
                 run[key], expected[key], **(TOL if key == "loss" else NORM_TOL),
                 msg=lambda m, k=key, r=rank: f"{ep_layout} rank {r} {k}: {m}",
             )
+        if "pp2" not in ep_layout:  # a pipeline stage holds only some MoE layers
+            # the load-balancing biases moved by the same token counts (summed over every
+            # rank that routed other tokens)
+            torch.testing.assert_close(run["expert_bias"], expected["expert_bias"], rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("resumed", ["resumed_fsdp4", "resumed_etp", "resumed_one"])
@@ -182,7 +195,7 @@ def dispatch_vs_local_experts() -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from torchtitan.distributed.expert_parallel import apply_expert_parallel, expert_grad_scaler
+    from torchtitan.distributed.expert_parallel import apply_expert_parallel, moe_grad_hooks
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.common.moe import MoE, MoEArgs
 
@@ -203,7 +216,8 @@ def dispatch_vs_local_experts() -> dict[str, float]:
     out_ep = holder.moe(x)
     out_ref.pow(2).sum().backward()
     out_ep.pow(2).sum().backward()
-    expert_grad_scaler([holder], 2)()  # experts: both ranks' tokens, averaged like FSDP does
+    for hook in moe_grad_hooks([holder], dims):  # experts: both ranks' tokens, averaged
+        hook()  # like FSDP does
     sent_away = int(holder.moe.tokens_per_expert[4:].sum())
     dist.all_reduce(ref.experts.w1.grad)  # the reference: both ranks' gradients, summed ...
     expected_w1 = ref.experts.w1.grad[4 * rank : 4 * rank + 4] / 2  # ... and averaged
@@ -232,7 +246,7 @@ def expert_tp_vs_local_experts() -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from torchtitan.distributed.expert_parallel import apply_expert_parallel, expert_grad_scaler
+    from torchtitan.distributed.expert_parallel import apply_expert_parallel, moe_grad_hooks
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.common.moe import MoE, MoEArgs
 
@@ -250,7 +264,8 @@ def expert_tp_vs_local_experts() -> dict[str, float]:
     out_ref, out_etp = ref(x_ref), holder.moe(x_etp)
     out_ref.pow(2).sum().backward()
     out_etp.pow(2).sum().backward()
-    expert_grad_scaler([holder], 2)()
+    for hook in moe_grad_hooks([holder], dims):
+        hook()
     experts, shared = holder.moe.experts, holder.moe.shared_experts
     shapes_ok = (tuple(experts.w1.to_local().shape) == (4, 12, 16)
                  and tuple(experts.w2.to_local().shape) == (4, 16, 12)

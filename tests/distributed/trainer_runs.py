@@ -128,6 +128,10 @@ def run_trainer(argv: list[str]) -> dict[str, list[float]]:
             record["grad_norm"].append(grad_norm)
             trainer.checkpointer.save(trainer.step, last_step=trainer.step == cfg.training.steps)
         record["accumulation"] = [trainer.gradient_accumulation_steps]
+        if trainer.run.moe_layers:  # this rank's MoE layers (a pipeline stage holds some)
+            record["expert_bias"] = torch.cat(
+                [layer.expert_bias.flatten() for layer in trainer.run.moe_layers]
+            ).tolist()
         if trainer.validator is not None:
             record["val"] = [trainer.validator.validate(trainer.model_parts)]
     finally:

@@ -148,12 +148,21 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
         (dict(expert_parallel_degree=3), 4, r"expert_parallel_degree=3 must divide data_parallel_shard_degree=4"),
         (dict(expert_parallel_degree=8, context_parallel_degree=2), 4,
          r"expert_parallel_degree=8 must divide data_parallel_shard_degree\*context_parallel_"
-         r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the FSDP shard and "
-         r"context-parallel dimensions\)$"),
+         r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the ranks with "
+         r"different tokens\)$"),
         (dict(expert_tensor_parallel_degree=2, tensor_parallel_degree=4), 4,
-         r"^parallelism.expert_tensor_parallel_degree=2 must be 1 \(each expert whole on every "
-         r"TP rank\) or equal parallelism.tensor_parallel_degree=4 \(the experts' hidden "
-         r"dimension split over the TP ranks\)$"),
+         r"^parallelism.expert_tensor_parallel_degree=2 must be 1 \(experts whole, the TP "
+         r"ranks split the MoE tokens\) or equal parallelism.tensor_parallel_degree=4 \(the "
+         r"experts' hidden dimension split over the TP ranks\)$"),
+        # expert_tensor_parallel_degree 1: the TP ranks split the MoE tokens and join ep
+        (dict(expert_parallel_degree=2, tensor_parallel_degree=4), 8,
+         r"^parallelism.expert_parallel_degree=2 must be a multiple of tensor_parallel_degree=4 "
+         r"that divides 4 x data_parallel_shard_degree=2 \(with expert_tensor_parallel_degree=1 "
+         r"the TP ranks split the MoE tokens and join one ep group\); or set "
+         r"expert_tensor_parallel_degree=4"),
+        (dict(expert_parallel_degree=4, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
+         4, r"expert_parallel_degree=4 must divide data_parallel_shard_degree=2 .*with "
+         r"expert_tensor_parallel_degree=2 the TP ranks share their tokens and split each expert"),
     ],
 )
 def test_expert_parallel_layout_errors(degrees, world, needle):
@@ -162,6 +171,39 @@ def test_expert_parallel_layout_errors(degrees, world, needle):
 
     with pytest.raises(ValueError, match=needle):
         ParallelDims.from_config(Parallelism(**degrees), world)
+
+
+@pytest.mark.parametrize("degrees, rank, ep_ranks, mod_ep_ranks", [
+    # world ranks (pp, dp_replicate, dp_shard, cp, tp), tp innermost
+    (dict(expert_parallel_degree=8, tensor_parallel_degree=2), 5, range(8), [5]),
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
+          data_parallel_replicate_degree=4), 5, [4, 5], [5]),  # ep = the TP ranks
+    (dict(expert_parallel_degree=4, tensor_parallel_degree=2, context_parallel_degree=2,
+          data_parallel_shard_degree=2), 5, [4, 5, 6, 7], [1, 5]),  # ep = tp x cp
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, data_parallel_shard_degree=4),
+     5, [4, 5], [1, 3, 5, 7]),  # experts FSDP-sharded over the dp_shard ranks
+    # expert TP: ep from dp_shard alone, the TP ranks share their tokens
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2,
+          data_parallel_shard_degree=4), 5, [5, 7], [1, 5]),
+])
+def test_expert_parallel_borrows_the_tp_ranks_that_split_the_moe_tokens(
+    degrees, rank, ep_ranks, mod_ep_ranks
+):
+    import torch.distributed as dist
+
+    from torchtitan.config.job_config import Parallelism
+    from torchtitan.distributed.comm_mode.fake_backend import init_fake_process_group
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(Parallelism(**degrees), 8)
+    assert dims.tp_splits_moe_tokens == (dims.etp == 1)
+    init_fake_process_group(8, rank)
+    try:
+        dims.build_mesh("cpu")
+        assert dims.get_mesh("ep").mesh.flatten().tolist() == list(ep_ranks)
+        assert dims.get_mesh("dp_shard_mod_ep").mesh.flatten().tolist() == list(mod_ep_ranks)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_context_parallel_refuses_settings_it_cannot_honour():

@@ -30,19 +30,19 @@ def test_single_device_has_no_parallelism():
         (4, dict(data_parallel_shard_degree=-2), "must be -1"),
         (4, dict(expert_parallel_degree=3), r"expert_parallel_degree=3 must divide "
                                             r"data_parallel_shard_degree=4 \(expert-parallel ranks "
-                                            r"are borrowed from the FSDP shard dimension\)$"),
-        # upstream also borrows TP ranks for ep: the line says what to do here instead
-        (8, dict(expert_parallel_degree=4, tensor_parallel_degree=2, data_parallel_shard_degree=2,
+                                            r"are borrowed from the ranks with different tokens\)$"),
+        # the TP ranks split the MoE tokens (etp 1): ep takes all of them, and more
+        (8, dict(expert_parallel_degree=8, tensor_parallel_degree=2, data_parallel_shard_degree=2,
                  data_parallel_replicate_degree=2),
-         r"must divide data_parallel_shard_degree=2 .*; TP ranks are not borrowed \(they share "
-         r"their tokens\): to use them for the experts too, set "
-         r"parallelism.expert_tensor_parallel_degree=2 \(each expert's hidden dimension split "
-         r"over TP\) with an expert_parallel_degree that divides 2$"),
+         r"^parallelism.expert_parallel_degree=8 must be a multiple of tensor_parallel_degree=2 "
+         r"that divides 2 x data_parallel_shard_degree=2 .* or set "
+         r"expert_tensor_parallel_degree=2 \(each expert split over TP, ep borrowed from the "
+         r"others alone\)$"),
         # expert TP already on: the line must not suggest turning it on
         (2, dict(expert_parallel_degree=2, tensor_parallel_degree=2,
                  expert_tensor_parallel_degree=2),
-         r"must divide data_parallel_shard_degree=1 .*; TP ranks are not borrowed \(they share "
-         r"their tokens; expert_tensor_parallel_degree=2 already splits each expert over them\)$"),
+         r"must divide data_parallel_shard_degree=1 .*; with expert_tensor_parallel_degree=2 the "
+         r"TP ranks share their tokens and split each expert instead\)$"),
     ],
 )
 def test_invalid_layouts(world, kw, needle):

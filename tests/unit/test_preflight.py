@@ -48,7 +48,8 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],
-         "expert_tensor_parallel_degree=2 must be 1 (each expert whole on every TP rank) or "
+         "expert_tensor_parallel_degree=2 must be 1 (experts whole, the TP ranks split the MoE "
+         "tokens) or "
          "equal parallelism.tensor_parallel_degree=1"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
           "2", "--world_size", "2"],

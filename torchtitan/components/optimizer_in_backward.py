@@ -9,8 +9,9 @@ hook runs after the gradient's reduce-scatter, on the sharded gradient.
 What this excludes (refused by :func:`check_early_step`): clipping by the global grad norm
 (unknown until every gradient exists), pipeline parallel and classic DDP (gradients are final
 only after their schedule or bucketed all-reduce; DDP with TP replicates through FSDP2, whose
-hooks run on the all-reduced gradient, and works), expert parallel (it rescales the expert gradients
-after backward) and fault tolerance (it all-reduces gradients after backward, or reads the live
+hooks run on the all-reduced gradient, and works), expert parallel and MoE layers under TP with
+``expert_tensor_parallel_degree`` 1 (their expert / router gradients are rescaled or summed over
+tp after backward) and fault tolerance (it all-reduces gradients after backward, or reads the live
 weights between optimizer steps). Gradient accumulation works: only the last microbatch's
 backward steps (the container is armed for it). The grad norm is still measured: each hook
 records its gradient's norm, reduced once after backward.
@@ -53,8 +54,9 @@ def build_optimizers_in_backward(
     return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[cfg.name], optimizer_kwargs(cfg))
 
 
-def check_early_step(cfg: Any, parallel_dims: Any) -> None:
-    """Raise ValueError when ``optimizer.early_step_in_backward`` cannot be honoured."""
+def check_early_step(cfg: Any, parallel_dims: Any, has_moe: bool = False) -> None:
+    """Raise ValueError when ``optimizer.early_step_in_backward`` cannot be honoured
+    (``has_moe``: the model has mixture-of-experts layers)."""
     if not cfg.optimizer.early_step_in_backward:
         return
     why = None
@@ -71,6 +73,12 @@ def check_early_step(cfg: Any, parallel_dims: Any) -> None:
                "(or DDP with tensor parallelism, which replicates through FSDP2)")
     elif parallel_dims.ep_enabled:
         why = "expert parallel rescales the expert gradients after backward"
+    elif has_moe and parallel_dims.tp_splits_moe_tokens:
+        why = (
+            "under tensor parallel the MoE layers sum their router and expert gradients over "
+            "the TP ranks after backward (each rank routes its own tokens); set "
+            f"parallelism.expert_tensor_parallel_degree={parallel_dims.tp}"
+        )
     elif cfg.fault_tolerance.enable:
         why = (
             "fault tolerance all-reduces gradients across groups after backward (or, "

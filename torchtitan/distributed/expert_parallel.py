@@ -189,23 +189,23 @@ _HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
 
 
 def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
-    """Shard every MoE layer's experts: the expert dim over ``ep`` (with all-to-all token
+    """Parallelize every MoE layer's experts: the expert dim over ``ep`` (all-to-all token
     dispatch) and, with expert tensor parallel, the hidden dim over ``tp`` (shared experts
-    too, column / row-wise).
+    too, column / row-wise). Under TP, :func:`apply_moe_tp_boundary` comes first.
 
-    Works on a meta-device model; returns the number of MoE layers changed.
+    Works on a meta-device model; returns the number of MoE layers.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from torchtitan.models.common.moe import moe_layers
 
+    layers = moe_layers([model])
+    if not layers:
+        return 0
     ep_mesh = parallel_dims.get_mesh("ep")
     tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.etp_enabled else None
     mesh = parallel_dims.get_mesh("ep_etp") if tp_mesh is not None else ep_mesh
-    layers = moe_layers([model])
-    if mesh is None or not layers:
-        return 0
-    for layer in layers:
+    for layer in layers if mesh is not None else []:
         check_expert_shapes(layer, ep_mesh.size() if ep_mesh else 1,
                             tp_mesh.size() if tp_mesh else 1)
         experts = layer.experts
@@ -230,6 +230,8 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
             experts.register_forward_hook(dispatch.combine)
     per_rank = layers[0].args.num_experts // (ep_mesh.size() if ep_mesh else 1)
     what = []
+    if parallel_dims.tp_splits_moe_tokens:
+        what.append(f"tp={parallel_dims.tp}: each TP rank routes its own tokens")
     if ep_mesh is not None:
         what.append(
             f"ep={ep_mesh.size()}: {per_rank} experts per rank, all-to-all dispatch"
@@ -237,8 +239,48 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
         )
     if tp_mesh is not None:
         what.append(f"etp={tp_mesh.size()}: expert hidden dims split over tp")
-    logger.info(f"Applied expert parallel to {len(layers)} MoE layer(s) ({'; '.join(what)})")
+    if what:
+        verb = "Applied expert parallel to" if mesh is not None else "Tensor parallel in"
+        logger.info(f"{verb} {len(layers)} MoE layer(s) ({'; '.join(what)})")
     return len(layers)
+
+
+def apply_moe_tp_boundary(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """Under TP, how every MoE layer meets the sequence-parallel residual stream (local
+    ``Shard(1)`` tensors between blocks): :func:`moe_tp_style`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from torchtitan.models.common.moe import moe_layers
+
+    style = moe_tp_style(parallel_dims.tp_splits_moe_tokens)
+    for layer in moe_layers([model]):
+        parallelize_module(layer, parallel_dims.get_mesh("tp"), style)
+
+
+def moe_tp_style(split_tokens: bool):
+    """The TP boundary of one MoE layer.
+
+    ``split_tokens`` (``expert_tensor_parallel_degree`` 1): each TP rank routes and computes
+    its own sequence shard; no communication at the boundary, and the TP ranks act as
+    data-parallel ranks for the layer (:func:`moe_grad_hooks` sums their router / expert
+    gradients). Otherwise (expert TP) every TP rank gathers the sequence, routes it alike,
+    runs its slice of every expert and keeps its sequence shard of the summed output.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
+
+    if split_tokens:
+        return PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=True,  # the residual stream between blocks is local shards
+    )
 
 
 def check_expert_shapes(layer: nn.Module, ep: int, etp: int) -> None:
@@ -285,15 +327,58 @@ def expert_fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [layer.experts for layer in moe_layers([model])]
 
 
-def expert_grad_scaler(model_parts: list[nn.Module], ep: int):
-    """``hook()``: divide the expert-parallel experts' gradients by ``ep`` (run after backward,
-    before clipping)."""
-    params = [p for part in model_parts for unit in expert_fsdp_units(part) for p in unit.parameters()]
+def moe_grad_hooks(model_parts: list[nn.Module], parallel_dims: ParallelDims):
+    """Hooks to run after backward (before clipping) that finish the MoE layers' gradients
+    where FSDP / DDP do not:
 
+    * TP ranks that split the MoE tokens (``expert_tensor_parallel_degree`` 1) each hold the
+      gradient of their own tokens for the parameters every TP rank keeps whole (router,
+      shared experts, and the experts unless ep shards them): summed over tp;
+    * expert-parallel experts: the all-to-all summed the ep group's tokens and FSDP averaged
+      over ``dp_shard_mod_ep``; dividing by ``ep / tp`` (``ep`` when the TP ranks share their
+      tokens) makes it the global mean, as for dense parameters.
+    """
+    from torchtitan.models.common.moe import moe_layers
+
+    hooks = []
+    layers = moe_layers(model_parts)
+    if not layers:
+        return hooks
+    experts = [p for layer in layers for p in layer.experts.parameters()]
+    split = parallel_dims.tp_splits_moe_tokens
+    if split:
+        whole = [p for layer in layers for m in (layer.router, layer.shared_experts)
+                 if m is not None for p in m.parameters()]
+        whole += [] if parallel_dims.ep_enabled else experts
+        hooks.append(_grad_sum_hook(whole, parallel_dims.get_mesh("tp")))
+    if parallel_dims.ep_enabled:
+        hooks.append(_grad_div_hook(experts, parallel_dims.ep // (parallel_dims.tp if split else 1)))
+    return hooks
+
+
+def _local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+def _grad_sum_hook(params: list[nn.Parameter], mesh: DeviceMesh):
+    @torch.no_grad()
+    def hook() -> None:
+        grads = _local_grads(params)
+        if grads:  # one all-reduce for all of them
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=mesh.get_group())
+            chunks = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(chunks, grads)])
+    return hook
+
+
+def _grad_div_hook(params: list[nn.Parameter], factor: int):
     @torch.no_grad()
     def hook() -> None:
         grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, float(ep))
-
+        if grads and factor != 1:
+            torch._foreach_div_(grads, float(factor))
     return hook

@@ -83,42 +83,41 @@ class ParallelDims:
                 f"{self.tp}*{self.pp} = {product} but the world size is {self.world_size} "
                 "(NGPU / nproc_per_node x nodes); make the degrees multiply to the world size"
             )
-        if self.ep > 1:
-            # ep ranks are borrowed from the ranks that hold different tokens within one
-            # replica: dp_shard x cp (see build_mesh).
-            if (self.dp_shard * self.cp) % self.ep:
-                what = (
-                    f"data_parallel_shard_degree={self.dp_shard}" if self.cp == 1 else
-                    f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*"
-                    f"{self.cp} = {self.dp_shard * self.cp}"
-                )
-                hint = ""
-                if self.tp > 1 and self.etp == self.tp:
-                    hint = (
-                        "; TP ranks are not borrowed (they share their tokens; "
-                        f"expert_tensor_parallel_degree={self.tp} already splits each expert "
-                        "over them)"
-                    )
-                elif self.tp > 1 and (self.dp_shard * self.cp * self.tp) % self.ep == 0:
-                    n = self.dp_shard * self.cp
-                    hint = (
-                        "; TP ranks are not borrowed (they share their tokens): to use them for "
-                        "the experts too, set parallelism.expert_tensor_parallel_degree="
-                        f"{self.tp} (each expert's hidden dimension split over TP) with "
-                        + (f"an expert_parallel_degree that divides {n}" if n > 1
-                           else "expert_parallel_degree=1")
-                    )
-                raise ParallelismError(
-                    f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
-                    "(expert-parallel ranks are borrowed from the FSDP shard"
-                    + (" and context-parallel dimensions)" if self.cp > 1 else " dimension)")
-                    + hint
-                )
         if self.etp not in (1, self.tp):
             raise ParallelismError(
-                f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (each expert "
-                "whole on every TP rank) or equal parallelism.tensor_parallel_degree="
+                f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (experts whole, "
+                "the TP ranks split the MoE tokens) or equal parallelism.tensor_parallel_degree="
                 f"{self.tp} (the experts' hidden dimension split over the TP ranks)"
+            )
+        if self.ep > 1:
+            self._validate_ep()
+
+    def _validate_ep(self) -> None:
+        """ep ranks are borrowed from the ranks that hold different tokens within one replica
+        (see build_mesh): dp_shard x cp, and the TP ranks too when the MoE layers split their
+        tokens over them (expert_tensor_parallel_degree 1)."""
+        shard_cp = self.dp_shard * self.cp
+        what = (
+            f"data_parallel_shard_degree={self.dp_shard}" if self.cp == 1 else
+            f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*{self.cp} "
+            f"= {shard_cp}"
+        )
+        if self.tp_splits_moe_tokens:
+            if self.ep % self.tp or (shard_cp * self.tp) % self.ep:
+                raise ParallelismError(
+                    f"parallelism.expert_parallel_degree={self.ep} must be a multiple of "
+                    f"tensor_parallel_degree={self.tp} that divides {self.tp} x {what} (with "
+                    "expert_tensor_parallel_degree=1 the TP ranks split the MoE tokens and join "
+                    "one ep group); or set expert_tensor_parallel_degree="
+                    f"{self.tp} (each expert split over TP, ep borrowed from the others alone)"
+                )
+            return
+        if shard_cp % self.ep:
+            raise ParallelismError(
+                f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
+                "(expert-parallel ranks are borrowed from the ranks with different tokens"
+                + (f"; with expert_tensor_parallel_degree={self.tp} the TP ranks share their "
+                   "tokens and split each expert instead)" if self.tp > 1 else ")")
             )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
@@ -191,6 +190,13 @@ class ParallelDims:
         return self.etp > 1
 
     @property
+    def tp_splits_moe_tokens(self) -> bool:
+        """Under TP with ``expert_tensor_parallel_degree`` 1, MoE layers run on each TP rank's
+        own sequence shard: for the experts the TP ranks are like data-parallel ranks (their
+        router / expert gradients are summed over tp, and ep may borrow them)."""
+        return self.tp > 1 and self.etp == 1
+
+    @property
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled
 
@@ -236,16 +242,7 @@ class ParallelDims:
             elif len(present) == 1:
                 self._meshes[flat_name] = mesh[present[0]]
         if self.ep > 1:
-            # ep ranks come from dp_shard x cp: the flattened dp_shard_cp dim is unflattened
-            # into (dp_shard_mod_ep, ep), ep innermost (with cp > 1 it takes cp ranks first).
-            # Experts are Shard(0) over ep and FSDP-sharded over dp_shard_mod_ep (HSDP with
-            # dp_replicate); all are views of the world mesh, as FSDP needs to combine them.
-            shard_cp = self._meshes["dp_shard_cp"]
-            expert_mesh = shard_cp._unflatten(
-                0, (self.dp_shard * self.cp // self.ep, self.ep), ("dp_shard_mod_ep", "ep")
-            )
-            self._meshes["ep"] = expert_mesh["ep"]
-            self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
+            self._build_ep_meshes(mesh, names)
         if self.etp > 1:
             # expert weights are DTensors on (ep, tp): experts over ep, hidden dim over tp
             parts = [self._meshes[n] for n in ("ep", "tp") if n in self._meshes]
@@ -253,6 +250,26 @@ class ParallelDims:
                 DeviceMesh._concatenate(parts) if len(parts) > 1 else parts[0]
             )
         return mesh
+
+    def _build_ep_meshes(self, mesh: DeviceMesh, names: list[str]) -> None:
+        """``ep`` and ``dp_shard_mod_ep``: views of the world mesh (FSDP combines them).
+
+        The ranks with different tokens in one replica (dp_shard x cp, and tp when the TP
+        ranks split the MoE tokens) are flattened and unflattened into (dp_shard_mod_ep, ep),
+        ep innermost: it takes the tp ranks first (tp divides ep then), then cp, then
+        dp_shard. Experts are Shard(0) over ep and FSDP-sharded over dp_shard_mod_ep (HSDP
+        with dp_replicate).
+        """
+        if not self.tp_splits_moe_tokens:
+            source, n = self._meshes["dp_shard_cp"], self.dp_shard * self.cp
+        else:
+            present = tuple(d for d in ("dp_shard", "cp", "tp") if d in names)
+            source = (mesh[present]._flatten(mesh_dim_name="_".join(present))
+                      if len(present) > 1 else mesh[present[0]])
+            n = self.dp_shard * self.cp * self.tp
+        expert_mesh = source._unflatten(0, (n // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
+        self._meshes["ep"] = expert_mesh["ep"]
+        self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
 
     def get_mesh(self, name: str) -> DeviceMesh | None:
         """The (sub)mesh called ``name``, or None when that dimension is not in use."""

@@ -6,9 +6,10 @@ Tensor parallel (sequence parallel between blocks, as for Llama): MLA shards hea
 and their norms run replicated on every TP rank: their gradients come out whole and equal on
 each rank, since the column-wise layers all-reduce their input gradients and so does
 :class:`SumGradientOverTP` for the rope key ``k_pe`` that all heads share; dense FFNs shard as
-Llama's. MoE layers run on the gathered sequence, routed alike on every TP rank; their experts
-are whole on each TP rank or, with ``parallelism.expert_tensor_parallel_degree`` = tp, split
-over it by hidden dim (torchtitan/distributed/expert_parallel.py, applied after this plan).
+Llama's. MoE layers are left to torchtitan/distributed/expert_parallel.py (applied after this
+plan): each TP rank runs its own sequence shard, or, with
+``parallelism.expert_tensor_parallel_degree`` = tp, the gathered sequence with every expert's
+hidden dims split over the TP ranks.
 
 Everything here works on a ``meta``-device model; the trainer then calls
 ``model.to_empty(device=...)`` and ``model.init_weights(buffer_device=...)``.
@@ -23,7 +24,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -67,16 +67,7 @@ def block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         "ffn_norm": SequenceParallel(),
     }
     plan["attention.wq" if attention.q_lora_rank == 0 else "attention.wq_b"] = ColwiseParallel()
-    if block.moe_enabled:
-        plan["moe"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,
-        )
-    else:
+    if not block.moe_enabled:
         plan.update({
             "feed_forward": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -98,7 +89,7 @@ def apply_tp_deepseekv3(
             parallelize_module(block, tp_mesh, block_tp_plan(block))
     logger.info(
         f"Applied tensor parallel to DeepSeek-V3 (degree {tp_mesh.size()}, MLA heads and dense "
-        "FFNs sharded, MoE layers on the gathered sequence)"
+        "FFNs sharded; MoE layers: see expert parallel)"
     )
     return model
 

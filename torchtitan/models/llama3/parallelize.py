@@ -14,7 +14,7 @@ from torchtitan.components.float8 import float8_tensorwise_tp
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac, apply_memory_budget
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
-from torchtitan.distributed.expert_parallel import apply_expert_parallel
+from torchtitan.distributed.expert_parallel import apply_expert_parallel, apply_moe_tp_boundary
 from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp, maybe_enable_async_tp
@@ -51,7 +51,9 @@ def parallelize_llama(
             apply_tp(model, tp_mesh, loss_parallel, enable_float8_tensorwise_tp=float8_tp)
         else:  # other families' plans: float8 layers all-gather in high precision
             apply_tp_fn(model, tp_mesh, loss_parallel=loss_parallel)
-    if parallel_dims.ep_enabled or parallel_dims.etp_enabled:
+    if parallel_dims.tp_enabled:  # MoE layers, if any
+        apply_moe_tp_boundary(model, parallel_dims)
+    if parallel_dims.ep_enabled or parallel_dims.tp_enabled:
         apply_expert_parallel(model, parallel_dims)
 
     apply_ac(model, job_config.activation_checkpoint)

@@ -7,10 +7,11 @@ tensor-parallel plan:
   local heads with their weight replicated (``SequenceParallel`` over the head dimension), so
   their gradient is summed over the TP ranks and the result equals one device;
 * dense feed-forward: ``w1/w3`` column-wise, ``w2`` row-wise, as in Llama;
-* MoE feed-forward: each TP rank gathers the sequence, routes it alike and keeps its sequence
-  shard of the output. The experts run whole on every TP rank, or, with
-  ``parallelism.expert_tensor_parallel_degree`` = tp, with their hidden dims split over the TP
-  ranks (torchtitan/distributed/expert_parallel.py, applied after this plan).
+* MoE feed-forward: not in this plan. torchtitan/distributed/expert_parallel.py, applied after
+  it, either lets each TP rank route and run its own sequence shard (experts whole, or spread
+  over an ep group that includes the TP ranks) or, with
+  ``parallelism.expert_tensor_parallel_degree`` = tp, gathers the sequence and splits every
+  expert's hidden dims over the TP ranks.
 
 Everything here works on a ``meta``-device model.
 """
@@ -23,7 +24,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -53,16 +53,7 @@ def qwen3_block_tp_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
     }
-    if getattr(block, "moe", None) is not None:
-        plan["moe"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,  # the residual stream between blocks is local shards
-        )
-    else:
+    if getattr(block, "moe", None) is None:
         plan.update({
             "feed_forward": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -99,7 +90,7 @@ def apply_qwen3_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = 
     logger.info(
         f"Applied tensor parallel to Qwen3 (degree {tp_mesh.size()}, sequence parallel, loss "
         f"parallel {'on' if loss_parallel else 'off'}"
-        + (f"; {n_moe} MoE layer(s) on the TP-gathered sequence)" if n_moe else ")")
+        + (f"; {n_moe} MoE layer(s): see expert parallel)" if n_moe else ")")
     )
     return model
 
