@@ -9,8 +9,10 @@ Runs ``scripts/benchmark.py`` under torchrun on ``nproc`` ranks (FSDP over all o
 every rank), 2 and 4, one after another, and prints one JSON line per degree (tokens/s per
 rank, step time, peak memory, tokens sent to other ranks' experts per step and the
 all-to-all volume that implies) plus a summary with the ratios to the first layout. With
-``--tp N`` the ranks are TP N x FSDP (nproc / N) and every EP degree runs twice: experts whole
-on each TP rank (``expert_tensor_parallel_degree`` 1) and split over tp (N).
+``--tp N`` the ranks are TP N x FSDP (nproc / N) and every EP degree runs twice: each TP rank
+routing its own tokens (``expert_tensor_parallel_degree`` 1; ep then takes the TP ranks first)
+and every expert split over tp (N); a layout the degrees do not allow is skipped with its
+reason.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_context_parallel import ROOT, run_layout  # noqa: E402
+
+from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for ep, etp in layouts:
         name = f"ep{ep}" + (f"_etp{etp}" if args.tp > 1 else "")
+        try:  # e.g. ep 4 with expert TP on 4 ranks: ep must divide dp_shard there
+            ParallelDims(dp_replicate=1, dp_shard=args.nproc // args.tp, cp=1, tp=args.tp, pp=1,
+                         ep=ep, etp=etp, world_size=args.nproc)
+        except ParallelismError as err:
+            print(json.dumps({"layout": name, "skipped": str(err)}), flush=True)
+            continue
         per_rank = run_layout(args.nproc, [*base, "--parallelism.expert_parallel_degree", str(ep),
                                            "--parallelism.expert_tensor_parallel_degree", str(etp)],
                               args)

@@ -79,6 +79,7 @@ def tp_gradients() -> list[tuple[float, str]]:
     from torch.distributed.tensor import DTensor
 
     from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.expert_parallel import moe_grad_hooks
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models import get_model_spec
 
@@ -113,6 +114,8 @@ def tp_gradients() -> list[tuple[float, str]]:
     model.init_weights()
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     loss_of(model(tokens)).backward()
+    for hook in moe_grad_hooks([model], dims):  # the router / expert gradients over tp
+        hook()
     ref_grads = dict(ref.named_parameters())
     worst = []
     for name, p in model.named_parameters():

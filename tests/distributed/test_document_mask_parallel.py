@@ -100,6 +100,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def run_layouts() -> dict[str, dict]:
     """Worker: each family and layout on this 2-rank group; logits / loss and full gradients."""
     from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.distributed.expert_parallel import moe_grad_hooks
     from torchtitan.models.llama3.pipeline import pipeline_llama
 
     inputs, labels = batch()
@@ -141,6 +142,8 @@ def run_layouts() -> dict[str, dict]:
                 x, y = inputs[rows], labels[rows]
                 logits = parts[0](x, document_ids=document_ids(x, BOS, EOS))
                 (cross_entropy_loss_sum(logits, y) * scale * dims.dp_degree).backward()
+                for hook in moe_grad_hooks(parts, dims):  # MoE router / experts over tp
+                    hook()
                 result["logits"] = _full(logits).detach()
             result["grads"] = {
                 n: _full(p.grad).detach().clone()

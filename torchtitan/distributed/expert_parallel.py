@@ -1,10 +1,12 @@
 """Expert parallelism: each rank of the ``ep`` mesh holds ``num_experts / ep`` experts.
 
-The ``ep`` ranks are borrowed from the ranks that hold different tokens within one replica,
-``dp_shard x cp``: the flattened ``dp_shard_cp`` dim is unflattened into ``(dp_shard_mod_ep,
-ep)``, ep innermost. Dense parameters stay FSDP-sharded over all of ``dp_shard_cp`` (HSDP with
-``dp_replicate``); expert weights are ``Shard(0)`` (the expert dim) over ``ep`` and FSDP-sharded
-over the remaining ``dp_shard_mod_ep`` ranks (HSDP over ``(dp_replicate, dp_shard_mod_ep)``).
+The ``ep`` ranks are borrowed from the ranks that hold different MoE tokens within one replica:
+``dp_shard x cp``, and ``tp`` when the TP ranks split the MoE tokens
+(``expert_tensor_parallel_degree`` 1, :func:`moe_tp_style`). Those dims are flattened and
+unflattened into ``(dp_shard_mod_ep, ep)``, ep innermost (``ParallelDims.build_mesh``). Dense
+parameters stay FSDP-sharded over ``dp_shard_cp`` (HSDP with ``dp_replicate``); expert weights
+are ``Shard(0)`` (the expert dim) over ``ep`` and FSDP-sharded over the remaining
+``dp_shard_mod_ep`` ranks (HSDP over ``(dp_replicate, dp_shard_mod_ep)``).
 
 Token dispatch (:class:`ExpertDispatch`, forward hooks on each MoE layer's ``experts``): the
 router runs on every rank for its own tokens; tokens sorted by expert are sent with an
@@ -12,12 +14,14 @@ all-to-all to the ranks that own their experts (the per-expert counts are exchan
 splits may be uneven or zero), regrouped by local expert, run through the local experts with
 grouped GEMM, and sent back with the reverse all-to-all. Both all-to-alls carry autograd.
 
-Gradients: an expert's gradient already sums the tokens of the whole ``ep`` group (through the
-all-to-all's backward); FSDP/HSDP over ``(dp_replicate,) dp_shard_mod_ep`` averages over the
-rest of the ranks with other tokens (data and context parallel), and
-:func:`expert_grad_scaler` divides by ``ep`` after backward, so experts get the same global-mean
-gradient as dense parameters. (FSDP's own ``gradient_divide_factor`` is not used for this: in
-torch 2.13 a one-rank FSDP mesh applies it twice.)
+Gradients (:func:`moe_grad_hooks`, after backward): an expert's gradient already sums the
+tokens of the whole ``ep`` group (through the all-to-all's backward); FSDP/HSDP over
+``(dp_replicate,) dp_shard_mod_ep`` averages over the rest of the ranks with other tokens, and
+dividing by ``ep / tp`` (``ep`` when the TP ranks share their tokens) makes it the global mean,
+as for dense parameters. Parameters the TP ranks hold whole while routing their own tokens
+(router, shared experts, experts without EP) get their gradients summed over ``tp``. (FSDP's
+own ``gradient_divide_factor`` is not used for this: in torch 2.13 a one-rank FSDP mesh
+applies it twice.)
 
 Expert tensor parallel (``expert_tensor_parallel_degree`` = tp, :class:`ExpertTensorParallel`):
 MoE layers see the TP-gathered sequence; the experts' hidden dims are also split over ``tp``
