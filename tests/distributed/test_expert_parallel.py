@@ -328,3 +328,57 @@ def test_hf_export_of_an_ep_run_has_every_expert_whole(runs, root):
         assert dcp[name].shape[0] == 8
         assert torch.equal(hf[key], dcp[name][expert]), key
         assert not torch.equal(hf[key], seed[name][expert]), key
+
+
+def aux_loss_over_sequence_shards() -> dict[str, float]:
+    """One MoE layer with DeepSeek-V3's sequence-level auxiliary loss, each rank holding half of
+    every sequence's positions: as the TP ranks that split the MoE tokens (router / expert
+    gradients summed over tp after backward) and as context parallel (gradients averaged over
+    cp, as FSDP does). Worst |gradient - one device's| over all parameters, per layout."""
+    import copy
+
+    import torch.distributed as dist
+
+    from torchtitan.distributed.expert_parallel import apply_moe_sequence_sum, moe_grad_hooks
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.common.moe import MoE, MoEArgs, sequence_balance_loss
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = MoE(MoEArgs(num_experts=8, top_k=2, aux_loss_coeff=1.0, num_shared_experts=1),
+              dim=16, hidden_dim=24)
+    ref.init_weights(0.05)
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(7))
+    ref(x).pow(2).sum().backward()
+    half = x[:, 6 * rank : 6 * rank + 6]
+    out: dict[str, float] = {}
+    with torch.no_grad():  # the statistic does depend on the split
+        weights, selected, _, scores = ref.router(half.reshape(-1, 16), ref.expert_bias)
+        local = sequence_balance_loss(scores, selected, 2, ref.args)
+        weights, selected, _, scores = ref.router(x.reshape(-1, 16), ref.expert_bias)
+        out["aux_split_vs_whole"] = abs(local - sequence_balance_loss(scores, selected, 2, ref.args)).item()
+    for name, degrees in (("tp", dict(tp=2, cp=1)), ("cp", dict(tp=1, cp=2))):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, pp=1, ep=1, etp=1, world_size=2, **degrees)
+        dims.build_mesh("cpu")
+        holder = torch.nn.Module()
+        holder.moe = copy.deepcopy(ref)
+        holder.moe.zero_grad()
+        apply_moe_sequence_sum(holder, dims)
+        if name == "tp":  # the TP ranks hold one loss: their gradients add up
+            holder.moe(half).pow(2).sum().backward()
+            for hook in moe_grad_hooks([holder], dims):
+                hook()
+        else:  # each cp rank's loss counts cp times its share; FSDP averages over cp
+            (holder.moe(half).pow(2).sum() * 2).backward()
+            for p in holder.moe.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= 2
+        out[name] = max((p.grad - q.grad).abs().max().item() / q.grad.abs().max().item()
+                        for p, q in zip(holder.moe.parameters(), ref.parameters()))
+    return out
+
+
+def test_auxiliary_loss_over_sequence_shards_equals_one_device():
+    for rank, result in enumerate(launch(aux_loss_over_sequence_shards, 2)):
+        assert result.pop("aux_split_vs_whole") > 1e-3
+        assert max(result.values()) < 1e-5, f"rank {rank}: {result}"

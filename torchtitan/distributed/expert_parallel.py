@@ -331,6 +331,47 @@ def expert_fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [layer.experts for layer in moe_layers([model])]
 
 
+class _SumOverSequenceShards(torch.autograd.Function):
+    """Forward: sum a per-sequence statistic over the ranks that hold the sequences' other
+    positions. Backward: those ranks computed the same loss term from the sum, so each passes
+    the (equal) gradient to its own part, times ``grad_scale``: the router gradients are later
+    averaged over the cp ranks (FSDP) and summed over the tp ranks (:func:`moe_grad_hooks`), so
+    the scale is cp and the result is the one-device gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_names: tuple[str, ...], grad_scale: float):
+        ctx.grad_scale = grad_scale
+        for name in group_names:
+            x = _all_reduce_sum(x.contiguous(), name)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.grad_scale, None, None
+
+
+def apply_moe_sequence_sum(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """Give every MoE layer the ``sequence_sum`` its sequence-level auxiliary loss needs when a
+    rank holds only some positions of each sequence: context parallel, and TP ranks that split
+    the MoE tokens (``expert_tensor_parallel_degree`` 1)."""
+    from torchtitan.models.common.moe import moe_layers
+
+    meshes = []
+    if parallel_dims.cp_enabled:
+        meshes.append(parallel_dims.get_mesh("cp"))
+    if parallel_dims.tp_splits_moe_tokens:
+        meshes.append(parallel_dims.get_mesh("tp"))
+    if not meshes:
+        return
+    names = tuple(mesh.get_group().group_name for mesh in meshes)
+
+    def sequence_sum(x: torch.Tensor) -> torch.Tensor:
+        return _SumOverSequenceShards.apply(x, names, float(parallel_dims.cp))
+
+    for layer in moe_layers([model]):
+        layer.sequence_sum = sequence_sum
+
+
 def moe_grad_hooks(model_parts: list[nn.Module], parallel_dims: ParallelDims):
     """Hooks to run after backward (before clipping) that finish the MoE layers' gradients
     where FSDP / DDP do not:

@@ -266,6 +266,9 @@ class MoE(nn.Module):
         )
         self.aux_loss_scale = 1.0
         """Multiplies ``aux_loss_coeff`` (the trainer sets 1 / gradient-accumulation steps)."""
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums per-sequence statistics over the ranks that hold the other positions of this
+        rank's sequences (set by context / tensor parallelism; None: whole sequences here)."""
         # Routing bias (checkpointed) and the tokens each expert received since the last
         # optimizer step (not checkpointed: it is zeroed after every step).
         self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
@@ -305,7 +308,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if self.args.aux_loss_coeff > 0 and self.training:
-            aux = sequence_balance_loss(scores, selected, bs, self.args)
+            aux = sequence_balance_loss(scores, selected, bs, self.args, self.sequence_sum)
             out = AddAuxiliaryLoss.apply(out, aux * self.args.aux_loss_coeff * self.aux_loss_scale)
         return out.view(bs, slen, dim)
 
@@ -329,18 +332,27 @@ def _(total: torch.Tensor, counts: torch.Tensor) -> None:
 
 
 def sequence_balance_loss(
-    scores: torch.Tensor, selected: torch.Tensor, batch_size: int, args: MoEArgs
+    scores: torch.Tensor,
+    selected: torch.Tensor,
+    batch_size: int,
+    args: MoEArgs,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss ``sum_i f_i * P_i``, averaged over sequences:
     ``f_i`` is expert i's share of the sequence's choices times ``E``, ``P_i`` its mean
-    (normalised) score."""
+    (normalised) score. ``sequence_sum`` completes the per-sequence sums when this rank holds
+    only some positions of each sequence."""
     n_experts, k = args.num_experts, args.top_k
     probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     probs = probs.view(batch_size, -1, n_experts)
-    seq_len = probs.shape[1]
-    chosen = F.one_hot(selected.view(batch_size, seq_len * k), n_experts).float().sum(dim=1)
+    local_len = probs.shape[1]
+    chosen = F.one_hot(selected.view(batch_size, local_len * k), n_experts).float().sum(dim=1)
+    prob_sum = probs.sum(dim=1)
+    if sequence_sum is not None:
+        chosen, prob_sum = sequence_sum(chosen), sequence_sum(prob_sum)
+    seq_len = chosen.sum(dim=-1, keepdim=True) / k  # every position chose k experts
     f = chosen * n_experts / (k * seq_len)
-    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+    return (f * prob_sum / seq_len).sum(dim=-1).mean()
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:

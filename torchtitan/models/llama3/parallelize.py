@@ -14,7 +14,11 @@ from torchtitan.components.float8 import float8_tensorwise_tp
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac, apply_memory_budget
 from torchtitan.distributed.compile import apply_compile, model_compile_enabled
-from torchtitan.distributed.expert_parallel import apply_expert_parallel, apply_moe_tp_boundary
+from torchtitan.distributed.expert_parallel import (
+    apply_expert_parallel,
+    apply_moe_sequence_sum,
+    apply_moe_tp_boundary,
+)
 from torchtitan.distributed.fsdp import apply_data_parallel, to_torch_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp, maybe_enable_async_tp
@@ -55,6 +59,7 @@ def parallelize_llama(
         apply_moe_tp_boundary(model, parallel_dims)
     if parallel_dims.ep_enabled or parallel_dims.tp_enabled:
         apply_expert_parallel(model, parallel_dims)
+    apply_moe_sequence_sum(model, parallel_dims)  # MoE auxiliary loss over sequence shards
 
     apply_ac(model, job_config.activation_checkpoint)
     apply_memory_budget(job_config.activation_checkpoint, job_config.job.dump_folder)
