@@ -4,17 +4,20 @@ Every run starts from one seed checkpoint and sees the same global batch per ste
 (tests/distributed/trainer_runs.py), and each EP layout is compared with the layout of the same
 data-parallel degree without EP: EP2 x FSDP2 vs FSDP2 (experts: 4 per rank, no FSDP left for
 them), EP2 x FSDP4 vs FSDP4 (experts also FSDP-sharded over the 2 remaining ranks),
-EP2 x TP2 x FSDP2 and EP2 x PP2 x FSDP2 vs FSDP2 (dp 2 in all three), EP2 x HSDP (dp_replicate 2 x
-dp_shard 2) vs HSDP 2x2, and EP with context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes
-the cp ranks), EP4 x CP2 x FSDP2 (ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the
-other cp ranks). Expert tensor parallel (experts' hidden dims split over tp): EP2 x TP2 x
-FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global batch) vs FSDP2. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP layouts;
-clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see NORM_TOL):
-the all-to-all moves tokens exactly and only the order of fp32 sums changes; an expert gradient
-off by the ep factor moves the grad norm by 1e-3 and the loss by 2e-5 from step 3. A checkpoint
-saved at EP2 x FSDP2 resumes at FSDP4, at EP2 x TP2 x ETP2 and at one device. Layer-level tests
-send no tokens from one rank to the other rank's experts, and check expert TP's output and
-every gradient shard against the whole layer.
+EP2 x PP2 x FSDP2 vs FSDP2, EP2 x HSDP (dp_replicate 2 x dp_shard 2) vs HSDP 2x2, and EP with
+context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes the cp ranks), EP4 x CP2 x FSDP2
+(ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the other cp ranks). Under TP the
+TP ranks split the MoE tokens (etp 1): TP2 and EP2 x TP2 at dp 1, EP2 x TP2 x FSDP2 (ep = the
+TP ranks) and EP4 x TP2 x FSDP2 (ep = tp x dp_shard) vs FSDP2; or every expert is split over
+tp (expert TP): EP2 x TP2 x FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global
+batch) vs FSDP2. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP
+layouts; clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see
+NORM_TOL), and so do the load-balancing biases: the all-to-all moves tokens exactly and only
+the order of fp32 sums changes; an expert gradient off by the ep factor moves the grad norm by
+1e-3 and the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4, at
+EP2 x TP2 x ETP2, at EP4 x TP2 (ep = tp x dp_shard) and at one device. Layer-level tests send
+no tokens from one rank to the other rank's experts, check expert TP's output and every
+gradient shard against the whole layer, and the auxiliary loss over sequence shards.
 """
 
 from __future__ import annotations
@@ -138,7 +141,9 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
                             "real_resumed": [*real, "--checkpoint.load_step", "2"]}),
         (4, FOUR_RANKS, [], {"resumed_fsdp4": resume_args(
             saved, 2, *MOE, *_dp(4), "--training.local_batch_size", "2"),
-            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(2), *ETP2)}),
+            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(2), *ETP2),
+            # ep = the TP ranks, which split the MoE tokens
+            "resumed_ep4_tp2": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(4))}),
         (1, {}, [], {"resumed_one": resume_args(saved, 2, *MOE)}),
     ):
         argvs = first + [
@@ -174,7 +179,9 @@ def test_expert_parallel_matches_the_layout_without_it(ep_layout, reference, run
             torch.testing.assert_close(run["expert_bias"], expected["expert_bias"], rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("resumed", ["resumed_fsdp4", "resumed_etp", "resumed_one"])
+@pytest.mark.parametrize(
+    "resumed", ["resumed_fsdp4", "resumed_etp", "resumed_ep4_tp2", "resumed_one"]
+)
 def test_ep_checkpoint_resumes_under_another_layout(resumed, runs):
     uninterrupted = runs["ep2_fsdp2"][0]
     torch.testing.assert_close(runs["saved"][0]["loss"], uninterrupted["loss"][:2], **TOL)
