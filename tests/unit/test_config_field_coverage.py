@@ -32,11 +32,14 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "torchtitan"
 NOT_READERS = {
     "torchtitan/config/job_config.py",  # the schema
+    "torchtitan/config/scale_sections.py",  # the schema's scale-out sections
     "torchtitan/config/legacy.py",  # old key names
     "torchtitan/config/validation.py",  # range rules name fields without using them
     "torchtitan/config/planned.py",  # the lists themselves
 }
-JOB_CONFIG_MODULES = {"torchtitan.config.job_config", "torchtitan.config"}
+JOB_CONFIG_MODULES = {
+    "torchtitan.config.job_config", "torchtitan.config.scale_sections", "torchtitan.config"
+}
 
 
 @dataclasses.dataclass
