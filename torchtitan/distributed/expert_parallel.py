@@ -209,7 +209,8 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     ep_mesh = parallel_dims.get_mesh("ep")
     tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.etp_enabled else None
     mesh = parallel_dims.get_mesh("ep_etp") if tp_mesh is not None else ep_mesh
-    for layer in layers if mesh is not None else []:
+    sharded_layers = layers if mesh is not None else []  # TP alone leaves the experts whole
+    for layer in sharded_layers:
         check_expert_shapes(layer, ep_mesh.size() if ep_mesh else 1,
                             tp_mesh.size() if tp_mesh else 1)
         experts = layer.experts
