@@ -86,14 +86,19 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
         from torchtitan.build import check_context_parallel
 
         check_context_parallel(cfg, model_args, parallel_dims.cp)
-    if parallel_dims.pp_enabled or parallel_dims.ep_enabled or parallel_dims.etp_enabled:
+    early_step_under_tp = cfg.optimizer.early_step_in_backward and parallel_dims.tp_enabled
+    if (parallel_dims.pp_enabled or parallel_dims.ep_enabled or parallel_dims.etp_enabled
+            or early_step_under_tp):
         import torch
 
         from torchtitan.build import check_expert_parallel
+        from torchtitan.components.optimizer_in_backward import check_early_step
+        from torchtitan.models.common.moe import moe_layers
 
         with torch.device("meta"):  # shapes only: no memory, no init
             model = spec.model_cls(model_args)
         check_expert_parallel(cfg, parallel_dims, model)
+        check_early_step(cfg, parallel_dims, has_moe=bool(moe_layers([model])))
         if parallel_dims.pp_enabled:
             _check_pipeline(cfg, parallel_dims, spec, model_args, model)
     return model_args

@@ -45,6 +45,11 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--optimizer.early_step_in_backward", "--training.max_norm", "0",
           "--parallelism.pipeline_parallel_degree", "2", "--world_size", "2"],
          "pipeline parallel runs backward per pipeline microbatch inside its schedule"),
+        (["--optimizer.early_step_in_backward", "--training.max_norm", "0",
+          "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+          "--parallelism.tensor_parallel_degree", "2", "--world_size", "2"],
+         "under tensor parallel the MoE layers sum their router and expert gradients over the "
+         "TP ranks after backward"),
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],
