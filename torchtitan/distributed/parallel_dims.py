@@ -95,29 +95,44 @@ class ParallelDims:
     def _validate_ep(self) -> None:
         """ep ranks are borrowed from the ranks that hold different tokens within one replica
         (see build_mesh): dp_shard x cp, and the TP ranks too when the MoE layers split their
-        tokens over them (expert_tensor_parallel_degree 1)."""
+        tokens over them (expert_tensor_parallel_degree 1). The line names the degrees that
+        fit, under either setting of expert_tensor_parallel_degree."""
         shard_cp = self.dp_shard * self.cp
         what = (
             f"data_parallel_shard_degree={self.dp_shard}" if self.cp == 1 else
             f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*{self.cp} "
             f"= {shard_cp}"
         )
+        divisors = [d for d in range(1, shard_cp + 1) if shard_cp % d == 0]
+        with_split = [self.tp * d for d in divisors if self.tp * d > 1]  # etp 1 under TP
+        with_etp = [d for d in divisors if d > 1]  # expert TP, or no TP
+
+        def listed(values: list[int]) -> str:
+            return ", ".join(map(str, values)) if values else "none"
+
         if self.tp_splits_moe_tokens:
-            if self.ep % self.tp or (shard_cp * self.tp) % self.ep:
+            if self.ep not in with_split:
+                other = (f"; or set expert_tensor_parallel_degree={self.tp} (each expert split "
+                         "over TP, ep borrowed from the other ranks alone)"
+                         if self.ep in with_etp else "")
                 raise ParallelismError(
                     f"parallelism.expert_parallel_degree={self.ep} must be a multiple of "
                     f"tensor_parallel_degree={self.tp} that divides {self.tp} x {what} (with "
                     "expert_tensor_parallel_degree=1 the TP ranks split the MoE tokens and join "
-                    "one ep group); or set expert_tensor_parallel_degree="
-                    f"{self.tp} (each expert split over TP, ep borrowed from the others alone)"
+                    f"one ep group): {listed(with_split)} here{other}"
                 )
             return
-        if shard_cp % self.ep:
+        if self.ep not in with_etp:
+            other = ""
+            if self.tp > 1 and self.ep in with_split:
+                other = ("; or set expert_tensor_parallel_degree=1 (the TP ranks split the MoE "
+                         "tokens and join the ep group)")
             raise ParallelismError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
                 "(expert-parallel ranks are borrowed from the ranks with different tokens"
                 + (f"; with expert_tensor_parallel_degree={self.tp} the TP ranks share their "
-                   "tokens and split each expert instead)" if self.tp > 1 else ")")
+                   "tokens and split each expert instead" if self.tp > 1 else "")
+                + f"): {listed(with_etp)} here{other}"
             )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
