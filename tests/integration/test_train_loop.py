@@ -149,7 +149,7 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
         (dict(expert_parallel_degree=8, context_parallel_degree=2), 4,
          r"expert_parallel_degree=8 must divide data_parallel_shard_degree\*context_parallel_"
          r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the ranks with "
-         r"different tokens\): 2, 4 here$"),
+         r"different tokens\): 2, 4 fit here$"),
         (dict(expert_tensor_parallel_degree=2, tensor_parallel_degree=4), 4,
          r"^parallelism.expert_tensor_parallel_degree=2 must be 1 \(experts whole, the TP "
          r"ranks split the MoE tokens\) or equal parallelism.tensor_parallel_degree=4 \(the "
@@ -158,7 +158,7 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
         (dict(expert_parallel_degree=2, tensor_parallel_degree=4), 8,
          r"^parallelism.expert_parallel_degree=2 must be a multiple of tensor_parallel_degree=4 "
          r"that divides 4 x data_parallel_shard_degree=2 \(with expert_tensor_parallel_degree=1 "
-         r"the TP ranks split the MoE tokens and join one ep group\): 4, 8 here; or set "
+         r"the TP ranks split the MoE tokens and join one ep group\): 4, 8 fit here; or set "
          r"expert_tensor_parallel_degree=4"),
         (dict(expert_parallel_degree=4, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
          4, r"expert_parallel_degree=4 must divide data_parallel_shard_degree=2 .*with "

@@ -31,19 +31,19 @@ def test_single_device_has_no_parallelism():
         (4, dict(expert_parallel_degree=3), r"expert_parallel_degree=3 must divide "
                                             r"data_parallel_shard_degree=4 \(expert-parallel ranks "
                                             r"are borrowed from the ranks with different tokens\): "
-                                            r"2, 4 here$"),
+                                            r"2, 4 fit here$"),
         # the TP ranks split the MoE tokens (etp 1): ep takes all of them, and more; expert TP
         # would not fit either (8 does not divide dp_shard 2), so it is not suggested
         (8, dict(expert_parallel_degree=8, tensor_parallel_degree=2, data_parallel_shard_degree=2,
                  data_parallel_replicate_degree=2),
          r"^parallelism.expert_parallel_degree=8 must be a multiple of tensor_parallel_degree=2 "
          r"that divides 2 x data_parallel_shard_degree=2 \(with expert_tensor_parallel_degree=1 "
-         r"the TP ranks split the MoE tokens and join one ep group\): 2, 4 here$"),
+         r"the TP ranks split the MoE tokens and join one ep group\): 2, 4 fit here$"),
         # expert TP on: etp 1 would fit, and the line says so
         (2, dict(expert_parallel_degree=2, tensor_parallel_degree=2,
                  expert_tensor_parallel_degree=2),
          r"must divide data_parallel_shard_degree=1 .*; with expert_tensor_parallel_degree=2 the "
-         r"TP ranks share their tokens and split each expert instead\): none here; or set "
+         r"TP ranks share their tokens and split each expert instead\): no degree fits here; or set "
          r"expert_tensor_parallel_degree=1 \(the TP ranks split the MoE tokens and join the ep "
          r"group\)$"),
     ],

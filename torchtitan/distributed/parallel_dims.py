@@ -108,7 +108,7 @@ class ParallelDims:
         with_etp = [d for d in divisors if d > 1]  # expert TP, or no TP
 
         def listed(values: list[int]) -> str:
-            return ", ".join(map(str, values)) if values else "none"
+            return (", ".join(map(str, values)) + " fit") if values else "no degree fits"
 
         if self.tp_splits_moe_tokens:
             if self.ep not in with_split:
