@@ -8,7 +8,7 @@ EP2 x PP2 x FSDP2 vs FSDP2, EP2 x HSDP (dp_replicate 2 x dp_shard 2) vs HSDP 2x2
 context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes the cp ranks), EP4 x CP2 x FSDP2
 (ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the other cp ranks). Under TP the
 TP ranks split the MoE tokens (etp 1): TP2 and EP2 x TP2 at dp 1, EP2 x TP2 x FSDP2 (ep = the
-TP ranks) and EP4 x TP2 x FSDP2 (ep = tp x dp_shard) vs FSDP2; or every expert is split over
+TP ranks), EP4 x TP2 x FSDP2 (ep = tp x dp_shard) and DDP2 x TP2 x EP2 vs FSDP2; or every expert is split over
 tp (expert TP): EP2 x TP2 x FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global
 batch) vs FSDP2. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP
 layouts; clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see
@@ -85,6 +85,7 @@ FOUR_RANKS = {
     "ep2_fsdp4": [*_dp(4), *_ep(2), "--training.local_batch_size", "2"],
     "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],  # ep = the TP ranks; experts FSDP over dp_shard
     "ep4_tp2": [*_dp(2), *TP2, *_ep(4)],  # ep = tp x dp_shard
+    "ddp2_tp2_ep2": [*REP2, *_dp(1), *TP2, *_ep(2)],  # DDP (FSDP2's replicate), ep = tp
     "ep2_tp2_etp2": [*_dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
     "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, *ONE_BATCH],  # no EP
     "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
@@ -106,6 +107,7 @@ PAIRS = [
     ("ep2_tp2_dp1", "fsdp2"),
     ("ep2_tp2", "fsdp2"),  # dp 2 in both: the same data
     ("ep4_tp2", "fsdp2"),
+    ("ddp2_tp2_ep2", "fsdp2"),  # dp 2 in both
     ("ep2_pp2", "fsdp2"),
     ("ep2_tp2_etp2", "fsdp2"),
     ("etp2_pp2", "fsdp2"),  # dp 1 vs 2, one global batch
