@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.config.manager import parse_args_or_exit  # noqa: E402
+from torchtitan.tools import known_warnings  # noqa: E402
 from torchtitan.tools.logging import init_logger  # noqa: E402
 from torchtitan.tools.memory_estimation import estimate_memory  # noqa: E402
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     init_logger()
+    known_warnings.install()  # torch's harmless warnings: one line each, as in training
     job_config = parse_args_or_exit(rest)
     code = 0
     for world_size in ours.world_size:

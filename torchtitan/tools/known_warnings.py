@@ -27,7 +27,7 @@ KNOWN: dict[str, str] = {
     ),
     r"FSDP2-wrapped module \(.*\) returned a view tensor": (
         "torch warns that an FSDP-wrapped module returned a view (the TP-sharded embedding "
-        "does): only an in-place op on that output would lose FSDP's pre-backward hook, and the "
+        "does, and so do the experts' all-to-all under fake-tensor dry runs): only an in-place op on that output would lose FSDP's pre-backward hook, and the "
         "model applies none (h = h + ..., never h += ...)"
     ),
     r"While redistributing from .* sequential \w+ operations will be performed": (
