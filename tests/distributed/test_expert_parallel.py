@@ -391,3 +391,44 @@ def test_auxiliary_loss_over_sequence_shards_equals_one_device():
     for rank, result in enumerate(launch(aux_loss_over_sequence_shards, 2)):
         assert result.pop("aux_split_vs_whole") > 1e-3
         assert max(result.values()) < 1e-5, f"rank {rank}: {result}"
+
+
+def moe_input_shapes_under_tp() -> dict[int, list[int]]:
+    """Qwen3 MoE debug model at TP2: the input each MoE layer receives, per
+    expert_tensor_parallel_degree (1: this rank's sequence shard; 2: the gathered sequence)."""
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models import get_model_spec
+    from torchtitan.models.common.moe import moe_layers
+
+    spec = get_model_spec("qwen3")
+    args = spec.get_model_args("debugmodel_moe")
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    shapes = {}
+    for etp in (1, 2):
+        cfg = JobConfig()
+        cfg.parallelism.tensor_parallel_degree = 2
+        cfg.parallelism.data_parallel_shard_degree = 1
+        cfg.parallelism.expert_tensor_parallel_degree = etp
+        cfg.activation_checkpoint.mode = "none"
+        dims = ParallelDims.from_config(cfg.parallelism, 2)
+        dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        model = spec.parallelize_fn(model, dims, cfg)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        seen = []
+        moe_layers([model])[0].register_forward_pre_hook(
+            lambda _m, inputs, seen=seen: seen.append(list(inputs[0].shape))
+        )
+        with torch.no_grad():
+            model(tokens)
+        shapes[etp] = seen[0]
+    return shapes
+
+
+def test_moe_layers_under_tp_run_the_local_sequence_shard_unless_expert_tp():
+    for shapes in launch(moe_input_shapes_under_tp, 2):
+        assert shapes[1][:2] == [2, 16] and shapes[2][:2] == [2, 32], shapes
