@@ -184,6 +184,29 @@ def train_parallel(layout: Layout, steps: int = STEPS) -> RunResult:
     return result
 
 
+def parallelized_model(
+    spec: Any, args: Any, world_size: int, **parallelism: Any
+) -> tuple[nn.Module, Any]:
+    """``(model, parallel_dims)``: ``spec.model_cls(args)`` built on meta, parallelized by
+    ``spec.parallelize_fn`` for the ``[parallelism]`` settings given (no AC), then materialized
+    on CPU and initialized, in this launched rank."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    cfg = JobConfig()
+    for key, value in parallelism.items():
+        setattr(cfg.parallelism, key, value)
+    cfg.activation_checkpoint.mode = "none"
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model = spec.parallelize_fn(model, dims, cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    return model, dims
+
+
 def run_layouts(layouts: list[Layout], steps: int = STEPS) -> dict[str, RunResult]:
     """Worker entry: every layout in turn on this process group."""
     results = {}

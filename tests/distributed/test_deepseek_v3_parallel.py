@@ -78,9 +78,8 @@ def tp_gradients() -> list[tuple[float, str]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from torchtitan.config.job_config import JobConfig
+    from tests.distributed.harness import parallelized_model
     from torchtitan.distributed.expert_parallel import moe_grad_hooks
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models import get_model_spec
 
     spec = get_model_spec("deepseek_v3")
@@ -100,18 +99,10 @@ def tp_gradients() -> list[tuple[float, str]]:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
     loss_of(ref(tokens)).backward()
-    cfg = JobConfig()
-    cfg.parallelism.tensor_parallel_degree = 2
-    cfg.parallelism.data_parallel_shard_degree = 1
-    cfg.parallelism.disable_loss_parallel = True
-    cfg.activation_checkpoint.mode = "none"
-    dims = ParallelDims.from_config(cfg.parallelism, 2)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    model = spec.parallelize_fn(model, dims, cfg)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model, dims = parallelized_model(
+        spec, args, 2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
+        disable_loss_parallel=True,
+    )
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     loss_of(model(tokens)).backward()
     for hook in moe_grad_hooks([model], dims):  # the router / expert gradients over tp

@@ -396,8 +396,7 @@ def test_auxiliary_loss_over_sequence_shards_equals_one_device():
 def moe_input_shapes_under_tp() -> dict[int, list[int]]:
     """Qwen3 MoE debug model at TP2: the input each MoE layer receives, per
     expert_tensor_parallel_degree (1: this rank's sequence shard; 2: the gathered sequence)."""
-    from torchtitan.config.job_config import JobConfig
-    from torchtitan.distributed.parallel_dims import ParallelDims
+    from tests.distributed.harness import parallelized_model
     from torchtitan.models import get_model_spec
     from torchtitan.models.common.moe import moe_layers
 
@@ -406,19 +405,10 @@ def moe_input_shapes_under_tp() -> dict[int, list[int]]:
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     shapes = {}
     for etp in (1, 2):
-        cfg = JobConfig()
-        cfg.parallelism.tensor_parallel_degree = 2
-        cfg.parallelism.data_parallel_shard_degree = 1
-        cfg.parallelism.expert_tensor_parallel_degree = etp
-        cfg.activation_checkpoint.mode = "none"
-        dims = ParallelDims.from_config(cfg.parallelism, 2)
-        dims.build_mesh("cpu")
-        with torch.device("meta"):
-            model = spec.model_cls(args)
-        model = spec.parallelize_fn(model, dims, cfg)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
+        model, _ = parallelized_model(
+            spec, args, 2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
+            expert_tensor_parallel_degree=etp,
+        )
         seen = []
         moe_layers([model])[0].register_forward_pre_hook(
             lambda _m, inputs, seen=seen: seen.append(list(inputs[0].shape))
