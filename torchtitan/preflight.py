@@ -86,7 +86,8 @@ def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
         from torchtitan.build import check_context_parallel
 
         check_context_parallel(cfg, model_args, parallel_dims.cp)
-    early_step_under_tp = cfg.optimizer.early_step_in_backward and parallel_dims.tp_enabled
+    early_step_under_tp = (cfg.optimizer.early_step_in_backward
+                           and parallel_dims.tp_splits_moe_tokens)  # refused with MoE layers
     if (parallel_dims.pp_enabled or parallel_dims.ep_enabled or parallel_dims.etp_enabled
             or early_step_under_tp):
         import torch

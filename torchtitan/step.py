@@ -137,9 +137,9 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
 
 def optimizer_step(run: RunParts) -> dict[str, float]:
     """Update the MoE load-balancing biases from this step's routing (token counts summed over
-    the data- and context-parallel ranks, and the TP ranks when they split the MoE tokens), apply the optimizers, run the model converters'
-    post-optimizer hooks (float8 precomputes its FSDP all-gather scales) and advance the LR
-    schedules.
+    the data- and context-parallel ranks, and the TP ranks when they split the MoE tokens),
+    apply the optimizers, run the model converters' post-optimizer hooks (float8 precomputes
+    its FSDP all-gather scales) and advance the LR schedules.
 
     Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers).
     """
