@@ -3,15 +3,17 @@
 
   python scripts/benchmark_expert_parallel.py [--nproc 4] [--steps 5] [--warmup 2] [trainer flags]
   python scripts/benchmark_expert_parallel.py --tp 2 --degrees 1,2   # expert TP 1 vs 2 as well
+  python scripts/benchmark_expert_parallel.py --tp 4 --degrees 1,2   # expert TP 1, 2 and 4
 
 Runs ``scripts/benchmark.py`` under torchrun on ``nproc`` ranks (FSDP over all of them) with
 ``expert_parallel_degree`` 1 (experts FSDP-sharded like dense weights: all-gathered whole on
 every rank), 2 and 4, one after another, and prints one JSON line per degree (tokens/s per
 rank, step time, peak memory, tokens sent to other ranks' experts per step and the
 all-to-all volume that implies) plus a summary with the ratios to the first layout. With
-``--tp N`` the ranks are TP N x FSDP (nproc / N) and every EP degree runs twice: each TP rank
-routing its own tokens (``expert_tensor_parallel_degree`` 1; ep then takes the TP ranks first)
-and every expert split over tp (N); a layout the degrees do not allow is skipped with its
+``--tp N`` the ranks are TP N x FSDP (nproc / N) and every EP degree runs once per divisor of N
+as ``expert_tensor_parallel_degree``: 1 (each TP rank routes its own tokens; ep then takes the
+TP ranks first), N (every expert split over tp) and those between (groups of etp TP ranks share
+their tokens and split each expert); a layout the degrees do not allow is skipped with its
 reason.
 """
 
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         *extra,
     ]
     layouts = [(int(d), etp) for d in args.degrees.split(",")
-               for etp in sorted({1, args.tp})]
+               for etp in range(1, args.tp + 1) if args.tp % etp == 0]
     rows = {}
     for ep, etp in layouts:
         name = f"ep{ep}" + (f"_etp{etp}" if args.tp > 1 else "")

@@ -147,7 +147,7 @@ def optimizer_step(run: RunParts) -> dict[str, float]:
     # ranks split the MoE tokens
     meshes = [run.loss_mesh]
     if run.parallel_dims.tp_splits_moe_tokens:
-        meshes.append(run.parallel_dims.get_mesh("tp"))
+        meshes.append(run.parallel_dims.get_mesh("tp_tokens"))
 
     def reduce_sum(counts: torch.Tensor) -> torch.Tensor:
         for mesh in meshes:

@@ -2,22 +2,23 @@
 
 Every run starts from one seed checkpoint and sees the same global batch per step
 (tests/distributed/trainer_runs.py), and each EP layout is compared with the layout of the same
-data-parallel degree without EP: EP2 x FSDP2 vs FSDP2 (experts: 4 per rank, no FSDP left for
-them), EP2 x FSDP4 vs FSDP4 (experts also FSDP-sharded over the 2 remaining ranks),
-EP2 x PP2 x FSDP2 vs FSDP2, EP2 x HSDP (dp_replicate 2 x dp_shard 2) vs HSDP 2x2, and EP with
-context parallel vs CP2 x FSDP2: EP2 x CP2 x FSDP2 (ep takes the cp ranks), EP4 x CP2 x FSDP2
-(ep = dp_shard x cp) and EP2 x CP4 (experts FSDP-sharded over the other cp ranks). Under TP the
-TP ranks split the MoE tokens (etp 1): TP2 and EP2 x TP2 at dp 1, EP2 x TP2 x FSDP2 (ep = the
-TP ranks), EP4 x TP2 x FSDP2 (ep = tp x dp_shard) and DDP2 x TP2 x EP2 vs FSDP2; or every expert is split over
-tp (expert TP): EP2 x TP2 x FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global
-batch) vs FSDP2. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP and CP
-layouts; clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see
-NORM_TOL), and so do the load-balancing biases: the all-to-all moves tokens exactly and only
-the order of fp32 sums changes; an expert gradient off by the ep factor moves the grad norm by
-1e-3 and the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4, at
-EP2 x TP2 x ETP2, at EP4 x TP2 (ep = tp x dp_shard) and at one device. Layer-level tests send
-no tokens from one rank to the other rank's experts, check expert TP's output and every
-gradient shard against the whole layer, and the auxiliary loss over sequence shards.
+data-parallel degree without EP: EP2 x FSDP2 vs FSDP2 (experts: 4 per rank, no FSDP left for them),
+EP2 x FSDP4 vs FSDP4 (experts also FSDP-sharded over the 2 remaining ranks), EP2 x PP2 x FSDP2 vs
+FSDP2, EP2 x HSDP (dp_replicate 2 x dp_shard 2) vs HSDP 2x2, and EP with context parallel vs CP2 x
+FSDP2: EP2 x CP2 x FSDP2 (ep takes the cp ranks), EP4 x CP2 x FSDP2 (ep = dp_shard x cp) and EP2 x
+CP4 (experts FSDP-sharded over the other cp ranks). Under TP the TP ranks split the MoE tokens (etp
+1): TP2 and EP2 x TP2 at dp 1, EP2 x TP2 x FSDP2 (ep = the TP ranks), EP4 x TP2 x FSDP2 (ep = tp x
+dp_shard) and DDP2 x TP2 x EP2 vs FSDP2; or every expert is split over tp (expert TP): EP2 x TP2 x
+FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global batch) vs FSDP2; or both (1 < etp
+< tp): TP4 x ETP2 (two token groups of two ranks, each expert split over a group) and EP2 x TP4 x
+ETP2 (ep = the two groups), at dp 1. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP
+and CP layouts; clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see
+NORM_TOL), and so do the load-balancing biases: the all-to-all moves tokens exactly and only the
+order of fp32 sums changes; an expert gradient off by the ep factor moves the grad norm by 1e-3 and
+the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4, at EP2 x TP4 x
+ETP2, at EP4 x TP2 (ep = tp x dp_shard) and at one device. Layer-level tests send no tokens from
+one rank to the other rank's experts, check expert TP's output and every gradient shard against the
+whole layer, and the auxiliary loss over sequence shards.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _ep(n: int) -> list[str]:
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+TP4 = ["--parallelism.tensor_parallel_degree", "4"]
 ETP2 = ["--parallelism.expert_tensor_parallel_degree", "2"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 REP2 = ["--parallelism.data_parallel_replicate_degree", "2"]
@@ -88,6 +90,10 @@ FOUR_RANKS = {
     "ddp2_tp2_ep2": [*REP2, *_dp(1), *TP2, *_ep(2)],  # DDP (FSDP2's replicate), ep = tp
     "ep2_tp2_etp2": [*_dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
     "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, *ONE_BATCH],  # no EP
+    # 2 token groups of 2 TP ranks, each expert split over a group's 2 ranks; then ep = the
+    # 2 groups (experts on the (ep, etp) mesh as (Shard 0, hidden))
+    "tp4_etp2": [*_dp(1), *TP4, *ETP2, *ONE_BATCH],
+    "ep2_tp4_etp2": [*_dp(1), *TP4, *ETP2, *_ep(2), *ONE_BATCH],
     "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
     "hsdp2x2": HSDP2x2,
     "ep2_hsdp2x2": [*HSDP2x2, *_ep(2)],  # experts: HSDP over (dp_replicate 2, dp_shard_mod_ep 1)
@@ -111,6 +117,8 @@ PAIRS = [
     ("ep2_pp2", "fsdp2"),
     ("ep2_tp2_etp2", "fsdp2"),
     ("etp2_pp2", "fsdp2"),  # dp 1 vs 2, one global batch
+    ("tp4_etp2", "fsdp2"),
+    ("ep2_tp4_etp2", "fsdp2"),
     ("ep2_hsdp2x2", "hsdp2x2"),
     ("ep2_cp2_fsdp2", "cp2_fsdp2"),
     ("ep4_cp2_fsdp2", "cp2_fsdp2"),
@@ -143,7 +151,8 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
                             "real_resumed": [*real, "--checkpoint.load_step", "2"]}),
         (4, FOUR_RANKS, [], {"resumed_fsdp4": resume_args(
             saved, 2, *MOE, *_dp(4), "--training.local_batch_size", "2"),
-            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(2), *ETP2),
+            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(1), *TP4, *ETP2, *_ep(2),
+                                       *ONE_BATCH),
             # ep = the TP ranks, which split the MoE tokens
             "resumed_ep4_tp2": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(4))}),
         (1, {}, [], {"resumed_one": resume_args(saved, 2, *MOE)}),

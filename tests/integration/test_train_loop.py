@@ -150,16 +150,17 @@ def test_context_parallel_layout_errors(degrees, world, seq_len, needle):
          r"expert_parallel_degree=8 must divide data_parallel_shard_degree\*context_parallel_"
          r"degree = 2\*2 = 4 \(expert-parallel ranks are borrowed from the ranks with "
          r"different tokens\): 2, 4 fit here$"),
-        (dict(expert_tensor_parallel_degree=2, tensor_parallel_degree=4), 4,
-         r"^parallelism.expert_tensor_parallel_degree=2 must be 1 \(experts whole, the TP "
-         r"ranks split the MoE tokens\) or equal parallelism.tensor_parallel_degree=4 \(the "
-         r"experts' hidden dimension split over the TP ranks\)$"),
+        (dict(expert_tensor_parallel_degree=3, tensor_parallel_degree=4), 4,
+         r"^parallelism.expert_tensor_parallel_degree=3 must divide parallelism.tensor_parallel_"
+         r"degree=4 \(the TP ranks form tp/etp groups that route their own MoE tokens, each "
+         r"expert split over the etp ranks of a group; 1 keeps experts whole\): 1, 2, 4 fit here$"),
         # expert_tensor_parallel_degree 1: the TP ranks split the MoE tokens and join ep
         (dict(expert_parallel_degree=2, tensor_parallel_degree=4), 8,
          r"^parallelism.expert_parallel_degree=2 must be a multiple of tensor_parallel_degree=4 "
          r"that divides 4 x data_parallel_shard_degree=2 \(with expert_tensor_parallel_degree=1 "
          r"the TP ranks split the MoE tokens and join one ep group\): 4, 8 fit here; or set "
-         r"expert_tensor_parallel_degree=4"),
+         r"expert_tensor_parallel_degree=2 or 4 \(the TP ranks split the MoE tokens 2 ways and "
+         r"each expert 2 ways; the TP ranks share their tokens and split each expert\)$"),
         (dict(expert_parallel_degree=4, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
          4, r"expert_parallel_degree=4 must divide data_parallel_shard_degree=2 .*with "
          r"expert_tensor_parallel_degree=2 the TP ranks share their tokens and split each expert"),
@@ -185,6 +186,10 @@ def test_expert_parallel_layout_errors(degrees, world, needle):
     # expert TP: ep from dp_shard alone, the TP ranks share their tokens
     (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2,
           data_parallel_shard_degree=4), 5, [5, 7], [1, 5]),
+    # 2 of the 4 TP ranks split each expert (etp: consecutive tp ranks), the 2 token groups
+    # join ep with dp_shard: the rank's etp peers are 4, 5 and its token-group peers 5, 7
+    (dict(expert_parallel_degree=4, tensor_parallel_degree=4, expert_tensor_parallel_degree=2,
+          data_parallel_shard_degree=2), 5, [1, 3, 5, 7], [5]),
 ])
 def test_expert_parallel_borrows_the_tp_ranks_that_split_the_moe_tokens(
     degrees, rank, ep_ranks, mod_ep_ranks
@@ -196,12 +201,16 @@ def test_expert_parallel_borrows_the_tp_ranks_that_split_the_moe_tokens(
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     dims = ParallelDims.from_config(Parallelism(**degrees), 8)
-    assert dims.tp_splits_moe_tokens == (dims.etp == 1)
+    assert dims.tp_splits_moe_tokens == (dims.etp < dims.tp)
     init_fake_process_group(8, rank)
     try:
         dims.build_mesh("cpu")
         assert dims.get_mesh("ep").mesh.flatten().tolist() == list(ep_ranks)
         assert dims.get_mesh("dp_shard_mod_ep").mesh.flatten().tolist() == list(mod_ep_ranks)
+        if 1 < dims.etp < dims.tp:
+            assert dims.get_mesh("etp").mesh.tolist() == [4, 5]
+            assert dims.get_mesh("tp_tokens").mesh.tolist() == [5, 7]
+            assert dims.get_mesh("ep_etp").mesh.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     finally:
         dist.destroy_process_group()
 

@@ -44,8 +44,18 @@ def test_single_device_has_no_parallelism():
                  expert_tensor_parallel_degree=2),
          r"must divide data_parallel_shard_degree=1 .*; with expert_tensor_parallel_degree=2 the "
          r"TP ranks share their tokens and split each expert instead\): no degree fits here; or set "
-         r"expert_tensor_parallel_degree=1 \(the TP ranks split the MoE tokens and join the ep "
-         r"group\)$"),
+         r"expert_tensor_parallel_degree=1 \(the TP ranks split the MoE tokens\)$"),
+        # 2 of the 4 TP ranks split each expert: two token groups, and ep takes both
+        (4, dict(expert_parallel_degree=4, tensor_parallel_degree=4,
+                 expert_tensor_parallel_degree=2),
+         r"^parallelism.expert_parallel_degree=4 must be a multiple of tensor_parallel_degree/"
+         r"expert_tensor_parallel_degree = 4/2 = 2 that divides 2 x data_parallel_shard_degree=1 "
+         r"\(with expert_tensor_parallel_degree=2 the TP ranks split the MoE tokens 2 ways and the "
+         r"2 groups join one ep group\): 2 fit here; or set expert_tensor_parallel_degree=1 \(the "
+         r"TP ranks split the MoE tokens\)$"),
+        (4, dict(tensor_parallel_degree=4, expert_tensor_parallel_degree=3),
+         r"^parallelism.expert_tensor_parallel_degree=3 must divide "
+         r"parallelism.tensor_parallel_degree=4 .*: 1, 2, 4 fit here$"),
     ],
 )
 def test_invalid_layouts(world, kw, needle):

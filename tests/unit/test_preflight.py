@@ -53,9 +53,9 @@ def tool(capsys, *argv: str) -> tuple[int, str, str]:
         (["--parallelism.expert_parallel_degree", "2", "--world_size", "2"],
          "needs a mixture-of-experts model; llama3 debugmodel has no experts"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--world_size", "2"],
-         "expert_tensor_parallel_degree=2 must be 1 (experts whole, the TP ranks split the MoE "
-         "tokens) or "
-         "equal parallelism.tensor_parallel_degree=1"),
+         "expert_tensor_parallel_degree=2 needs tensor parallel (it splits each expert over TP "
+         "ranks): set parallelism.tensor_parallel_degree to a multiple of 2, or leave "
+         "expert_tensor_parallel_degree at 1"),
         (["--parallelism.expert_tensor_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
           "2", "--world_size", "2"],
          "expert_tensor_parallel_degree=2 needs a mixture-of-experts model; llama3 debugmodel "

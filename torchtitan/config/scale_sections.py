@@ -74,10 +74,10 @@ class Parallelism:
     """How context parallel spreads causal attention's work over the cp ranks: headtail (each rank holds one chunk from the front and one from the back of every sequence; seq_len divisible by 2*cp) or none (contiguous chunks: later ranks attend to more keys; seq_len divisible by cp)."""
 
     expert_parallel_degree: int = 1
-    """Expert parallelism degree (MoE models): experts spread over this many of the ranks with different tokens (dp_shard x cp, and the TP ranks first when expert_tensor_parallel_degree is 1), tokens sent to them by all-to-all."""
+    """Expert parallelism degree (MoE models): experts spread over this many of the ranks with different tokens (dp_shard x cp, and first the tensor_parallel_degree / expert_tensor_parallel_degree token groups of the TP ranks), tokens sent to them by all-to-all."""
 
     expert_tensor_parallel_degree: int = 1
-    """Tensor parallelism inside experts (MoE models): 1 lets each TP rank route its own tokens with whole experts (ep may then include the TP ranks); tensor_parallel_degree gathers the sequence and splits the routed and shared experts' hidden dims over the TP ranks."""
+    """Tensor parallelism inside experts (MoE models), a divisor of tensor_parallel_degree: 1 lets each TP rank route its own tokens with whole experts (ep may then include the TP ranks); tensor_parallel_degree gathers the sequence and splits the routed and shared experts' hidden dims over the TP ranks; a value between splits the TP ranks into tp/etp groups that route their own tokens, each expert split over a group's etp ranks."""
 
 
 @dataclass

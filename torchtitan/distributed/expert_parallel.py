@@ -207,7 +207,7 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     if not layers:
         return 0
     ep_mesh = parallel_dims.get_mesh("ep")
-    tp_mesh = parallel_dims.get_mesh("tp") if parallel_dims.etp_enabled else None
+    tp_mesh = parallel_dims.get_mesh("etp")  # None unless experts are split (etp > 1)
     mesh = parallel_dims.get_mesh("ep_etp") if tp_mesh is not None else ep_mesh
     sharded_layers = layers if mesh is not None else []  # TP alone leaves the experts whole
     for layer in sharded_layers:
@@ -236,14 +236,17 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     per_rank = layers[0].args.num_experts // (ep_mesh.size() if ep_mesh else 1)
     what = []
     if parallel_dims.tp_splits_moe_tokens:
-        what.append(f"tp={parallel_dims.tp}: each TP rank routes its own tokens")
+        groups = parallel_dims.moe_token_groups
+        what.append(f"tp={parallel_dims.tp}: " + ("each TP rank routes its own tokens"
+                    if groups == parallel_dims.tp else f"{groups} TP groups route their own tokens"))
     if ep_mesh is not None:
         what.append(
             f"ep={ep_mesh.size()}: {per_rank} experts per rank, all-to-all dispatch"
             f"{', balanced routing assumed' if _dispatch_cls is not ExpertDispatch else ''}"
         )
     if tp_mesh is not None:
-        what.append(f"etp={tp_mesh.size()}: expert hidden dims split over tp")
+        what.append(f"etp={tp_mesh.size()}: expert hidden dims split over "
+                    + ("tp" if tp_mesh.size() == parallel_dims.tp else "each TP group"))
     if what:
         verb = "Applied expert parallel to" if mesh is not None else "Tensor parallel in"
         logger.info(f"{verb} {len(layers)} MoE layer(s) ({'; '.join(what)})")
@@ -251,34 +254,27 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
 
 
 def apply_moe_tp_boundary(model: nn.Module, parallel_dims: ParallelDims) -> None:
-    """Under TP, how every MoE layer meets the sequence-parallel residual stream (local
-    ``Shard(1)`` tensors between blocks): :func:`moe_tp_style`."""
-    from torch.distributed.tensor.parallel import parallelize_module
+    """Under TP, how every MoE layer meets the sequence-parallel residual stream (``Shard(1)``
+    over tp between blocks): the layer takes this rank's sequence shard as a plain tensor.
+    Each TP rank routes and computes its own shard (``expert_tensor_parallel_degree`` 1: no
+    communication at the boundary, the TP ranks act as data-parallel ranks for the layer and
+    :func:`moe_grad_hooks` sums their router / expert gradients); with expert TP the ``etp``
+    ranks that split each expert first gather their shards (consecutive ones: etp is the inner
+    part of tp), route them alike, run their slices of every expert and keep their own shards
+    of the summed output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        parallelize_module,
+    )
 
     from torchtitan.models.common.moe import moe_layers
 
-    style = moe_tp_style(parallel_dims.tp_splits_moe_tokens)
-    for layer in moe_layers([model]):
-        parallelize_module(layer, parallel_dims.get_mesh("tp"), style)
-
-
-def moe_tp_style(split_tokens: bool):
-    """The TP boundary of one MoE layer.
-
-    ``split_tokens`` (``expert_tensor_parallel_degree`` 1): each TP rank routes and computes
-    its own sequence shard; no communication at the boundary, and the TP ranks act as
-    data-parallel ranks for the layer (:func:`moe_grad_hooks` sums their router / expert
-    gradients). Otherwise (expert TP) every TP rank gathers the sequence, routes it alike,
-    runs its slice of every expert and keeps its sequence shard of the summed output.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
-
-    if split_tokens:
-        return PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-    return PrepareModuleInputOutput(
+    local_shard = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+    )
+    gathered = PrepareModuleInputOutput(
         input_layouts=(Shard(1),),
         desired_input_layouts=(Replicate(),),
         use_local_input=True,
@@ -286,6 +282,11 @@ def moe_tp_style(split_tokens: bool):
         desired_output_layouts=(Shard(1),),
         use_local_output=True,  # the residual stream between blocks is local shards
     )
+    etp_mesh = parallel_dims.get_mesh("etp")
+    for layer in moe_layers([model]):
+        parallelize_module(layer, parallel_dims.get_mesh("tp"), local_shard)
+        if etp_mesh is not None:  # pre-hooks run in registration order
+            parallelize_module(layer, etp_mesh, gathered)
 
 
 def check_expert_shapes(layer: nn.Module, ep: int, etp: int) -> None:
@@ -361,7 +362,7 @@ def apply_moe_sequence_sum(model: nn.Module, parallel_dims: ParallelDims) -> Non
     if parallel_dims.cp_enabled:
         meshes.append(parallel_dims.get_mesh("cp"))
     if parallel_dims.tp_splits_moe_tokens:
-        meshes.append(parallel_dims.get_mesh("tp"))
+        meshes.append(parallel_dims.get_mesh("tp_tokens"))
     if not meshes:
         return
     names = tuple(mesh.get_group().group_name for mesh in meshes)
@@ -377,12 +378,13 @@ def moe_grad_hooks(model_parts: list[nn.Module], parallel_dims: ParallelDims):
     """Hooks to run after backward (before clipping) that finish the MoE layers' gradients
     where FSDP / DDP do not:
 
-    * TP ranks that split the MoE tokens (``expert_tensor_parallel_degree`` 1) each hold the
-      gradient of their own tokens for the parameters every TP rank keeps whole (router,
-      shared experts, and the experts unless ep shards them): summed over tp;
+    * TP ranks that split the MoE tokens (``expert_tensor_parallel_degree`` < tp) each hold
+      the gradient of their token group for the parameters that are not spread over the
+      groups (router, shared experts, and the experts unless ep shards them): summed over
+      ``tp_tokens``;
     * expert-parallel experts: the all-to-all summed the ep group's tokens and FSDP averaged
-      over ``dp_shard_mod_ep``; dividing by ``ep / tp`` (``ep`` when the TP ranks share their
-      tokens) makes it the global mean, as for dense parameters.
+      over ``dp_shard_mod_ep``; dividing by ``ep / (tp / etp)`` (the ep ranks that are not
+      TP token groups) makes it the global mean, as for dense parameters.
     """
     from torchtitan.models.common.moe import moe_layers
 
@@ -396,9 +398,9 @@ def moe_grad_hooks(model_parts: list[nn.Module], parallel_dims: ParallelDims):
         whole = [p for layer in layers for m in (layer.router, layer.shared_experts)
                  if m is not None for p in m.parameters()]
         whole += [] if parallel_dims.ep_enabled else experts
-        hooks.append(_grad_sum_hook(whole, parallel_dims.get_mesh("tp")))
+        hooks.append(_grad_sum_hook(whole, parallel_dims.get_mesh("tp_tokens")))
     if parallel_dims.ep_enabled:
-        hooks.append(_grad_div_hook(experts, parallel_dims.ep // (parallel_dims.tp if split else 1)))
+        hooks.append(_grad_div_hook(experts, parallel_dims.ep // parallel_dims.moe_token_groups))
     return hooks
 
 

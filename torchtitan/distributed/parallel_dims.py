@@ -16,6 +16,19 @@ class ParallelismError(ValueError):
     """An impossible parallel layout; the message names the flag to change."""
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _etp_meaning(etp: int, tp: int) -> str:
+    """What ``expert_tensor_parallel_degree`` ``etp`` does under ``tp``, for error lines."""
+    if etp == 1:
+        return "the TP ranks split the MoE tokens"
+    if etp == tp:
+        return "the TP ranks share their tokens and split each expert"
+    return f"the TP ranks split the MoE tokens {tp // etp} ways and each expert {etp} ways"
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int
@@ -83,57 +96,70 @@ class ParallelDims:
                 f"{self.tp}*{self.pp} = {product} but the world size is {self.world_size} "
                 "(NGPU / nproc_per_node x nodes); make the degrees multiply to the world size"
             )
-        if self.etp not in (1, self.tp):
+        if self.etp > 1 and self.tp == 1:
             raise ParallelismError(
-                f"parallelism.expert_tensor_parallel_degree={self.etp} must be 1 (experts whole, "
-                "the TP ranks split the MoE tokens) or equal parallelism.tensor_parallel_degree="
-                f"{self.tp} (the experts' hidden dimension split over the TP ranks)"
+                f"parallelism.expert_tensor_parallel_degree={self.etp} needs tensor parallel (it "
+                "splits each expert over TP ranks): set parallelism.tensor_parallel_degree to a "
+                f"multiple of {self.etp}, or leave expert_tensor_parallel_degree at 1"
+            )
+        if self.tp % self.etp:
+            fits = ", ".join(str(d) for d in _divisors(self.tp))
+            raise ParallelismError(
+                f"parallelism.expert_tensor_parallel_degree={self.etp} must divide "
+                f"parallelism.tensor_parallel_degree={self.tp} (the TP ranks form tp/etp groups "
+                "that route their own MoE tokens, each expert split over the etp ranks of a "
+                f"group; 1 keeps experts whole): {fits} fit here"
             )
         if self.ep > 1:
             self._validate_ep()
 
+    def _ep_fits(self, etp: int) -> list[int]:
+        """The expert-parallel degrees that fit with ``etp``: multiples of the TP token groups
+        (tp / etp) that divide the ranks with different MoE tokens (tp/etp x dp_shard x cp)."""
+        groups = self.tp // etp
+        return [groups * d for d in _divisors(self.dp_shard * self.cp) if groups * d > 1]
+
     def _validate_ep(self) -> None:
-        """ep ranks are borrowed from the ranks that hold different tokens within one replica
-        (see build_mesh): dp_shard x cp, and the TP ranks too when the MoE layers split their
-        tokens over them (expert_tensor_parallel_degree 1). The line names the degrees that
-        fit, under either setting of expert_tensor_parallel_degree."""
+        """ep ranks are borrowed from the ranks that hold different MoE tokens within one
+        replica (see build_mesh): dp_shard x cp, and the tp/etp token groups of the TP ranks.
+        The line names the degrees that fit, and the other expert_tensor_parallel_degree
+        values under which this ep would fit."""
+        fits = self._ep_fits(self.etp)
+        if self.ep in fits:
+            return
         shard_cp = self.dp_shard * self.cp
         what = (
             f"data_parallel_shard_degree={self.dp_shard}" if self.cp == 1 else
             f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*{self.cp} "
             f"= {shard_cp}"
         )
-        divisors = [d for d in range(1, shard_cp + 1) if shard_cp % d == 0]
-        with_split = [self.tp * d for d in divisors if self.tp * d > 1]  # etp 1 under TP
-        with_etp = [d for d in divisors if d > 1]  # expert TP, or no TP
-
-        def listed(values: list[int]) -> str:
-            return (", ".join(map(str, values)) + " fit") if values else "no degree fits"
-
-        if self.tp_splits_moe_tokens:
-            if self.ep not in with_split:
-                other = (f"; or set expert_tensor_parallel_degree={self.tp} (each expert split "
-                         "over TP, ep borrowed from the other ranks alone)"
-                         if self.ep in with_etp else "")
-                raise ParallelismError(
-                    f"parallelism.expert_parallel_degree={self.ep} must be a multiple of "
-                    f"tensor_parallel_degree={self.tp} that divides {self.tp} x {what} (with "
-                    "expert_tensor_parallel_degree=1 the TP ranks split the MoE tokens and join "
-                    f"one ep group): {listed(with_split)} here{other}"
-                )
-            return
-        if self.ep not in with_etp:
-            other = ""
-            if self.tp > 1 and self.ep in with_split:
-                other = ("; or set expert_tensor_parallel_degree=1 (the TP ranks split the MoE "
-                         "tokens and join the ep group)")
+        listed = (", ".join(map(str, fits)) + " fit") if fits else "no degree fits"
+        others = [e for e in _divisors(self.tp) if e != self.etp and self.ep in self._ep_fits(e)]
+        other = ""
+        if others:
+            other = ("; or set expert_tensor_parallel_degree="
+                     + " or ".join(map(str, others)) + " (" + "; ".join(
+                         _etp_meaning(e, self.tp) for e in others) + ")")
+        groups = self.tp // self.etp
+        if groups == 1:
             raise ParallelismError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
                 "(expert-parallel ranks are borrowed from the ranks with different tokens"
                 + (f"; with expert_tensor_parallel_degree={self.tp} the TP ranks share their "
                    "tokens and split each expert instead" if self.tp > 1 else "")
-                + f"): {listed(with_etp)} here{other}"
+                + f"): {listed} here{other}"
             )
+        how = ("the TP ranks split the MoE tokens and join one ep group" if self.etp == 1 else
+               f"the TP ranks split the MoE tokens {groups} ways and the {groups} groups join "
+               "one ep group")
+        of = (f"tensor_parallel_degree={self.tp}" if self.etp == 1 else
+              f"tensor_parallel_degree/expert_tensor_parallel_degree = {self.tp}/{self.etp} "
+              f"= {groups}")
+        raise ParallelismError(
+            f"parallelism.expert_parallel_degree={self.ep} must be a multiple of {of} that "
+            f"divides {groups} x {what} (with expert_tensor_parallel_degree={self.etp} {how}): "
+            f"{listed} here{other}"
+        )
 
     def validate_for_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
         """Checks that need the model shape and sequence length."""
@@ -201,15 +227,22 @@ class ParallelDims:
 
     @property
     def etp_enabled(self) -> bool:
-        """Experts' hidden dimension split over the TP ranks (expert tensor parallel)."""
+        """Experts' hidden dimension split over ``etp`` TP ranks (expert tensor parallel)."""
         return self.etp > 1
 
     @property
+    def moe_token_groups(self) -> int:
+        """How many ways the TP ranks split the MoE tokens: ``tp / etp``. Each group of ``etp``
+        TP ranks gathers its ranks' sequence shards, routes them and runs its ``1/etp`` of every
+        expert; for the experts the groups are like data-parallel ranks (their router / expert
+        gradients are summed over ``tp_tokens``, and ep may borrow them)."""
+        return self.tp // self.etp
+
+    @property
     def tp_splits_moe_tokens(self) -> bool:
-        """Under TP with ``expert_tensor_parallel_degree`` 1, MoE layers run on each TP rank's
-        own sequence shard: for the experts the TP ranks are like data-parallel ranks (their
-        router / expert gradients are summed over tp, and ep may borrow them)."""
-        return self.tp > 1 and self.etp == 1
+        """Under TP with ``expert_tensor_parallel_degree`` < tp, MoE layers run on a part of the
+        TP group's sequence (see :attr:`moe_token_groups`)."""
+        return self.moe_token_groups > 1
 
     @property
     def loss_parallel_enabled(self) -> bool:
@@ -256,35 +289,48 @@ class ParallelDims:
                 self._meshes[flat_name] = mesh[present]._flatten(mesh_dim_name=flat_name)
             elif len(present) == 1:
                 self._meshes[flat_name] = mesh[present[0]]
+        self._build_moe_meshes(mesh, names)
+        return mesh
+
+    def _build_moe_meshes(self, mesh: DeviceMesh, names: list[str]) -> None:
+        """The meshes of the MoE layers, views of the world mesh.
+
+        ``tp_tokens`` / ``etp``: the tp dim unflattened into (tp / etp, etp), etp innermost, so
+        an etp group holds consecutive sequence shards (either is the whole tp dim when the
+        other is 1). ``ep`` / ``dp_shard_mod_ep``: the ranks with different MoE tokens in one
+        replica (dp_shard x cp x tp_tokens) flattened and unflattened into
+        (dp_shard_mod_ep, ep), ep innermost: it takes the tp_tokens ranks first (they divide
+        ep then), then cp, then dp_shard. Experts are Shard(0) over ep and FSDP-sharded over
+        dp_shard_mod_ep (HSDP with dp_replicate); with expert TP their weights are DTensors
+        on ``ep_etp``.
+        """
+        token_dim = None  # the world-mesh dim of the TP ranks' token groups
+        if self.tp > 1 and self.etp not in (1, self.tp):
+            mesh = mesh._unflatten(names.index("tp"), (self.moe_token_groups, self.etp),
+                                   ("tp_tokens", "etp"))
+            names, token_dim = [*names[:-1], "tp_tokens", "etp"], "tp_tokens"
+            self._meshes.update(tp_tokens=mesh["tp_tokens"], etp=mesh["etp"])
+        elif self.tp > 1 and self.etp == 1:
+            token_dim = "tp"
+            self._meshes["tp_tokens"] = self._meshes["tp"]
+        elif self.tp > 1:
+            self._meshes["etp"] = self._meshes["tp"]
         if self.ep > 1:
-            self._build_ep_meshes(mesh, names)
+            source = self._meshes["dp_shard_cp"] if token_dim is None else None
+            if source is None:
+                present = tuple(d for d in ("dp_shard", "cp", token_dim) if d in names)
+                source = (mesh[present]._flatten(mesh_dim_name="_".join(present))
+                          if len(present) > 1 else mesh[present[0]])
+            n = self.dp_shard * self.cp * self.moe_token_groups
+            expert_mesh = source._unflatten(0, (n // self.ep, self.ep),
+                                            ("dp_shard_mod_ep", "ep"))
+            self._meshes["ep"] = expert_mesh["ep"]
+            self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
         if self.etp > 1:
-            # expert weights are DTensors on (ep, tp): experts over ep, hidden dim over tp
-            parts = [self._meshes[n] for n in ("ep", "tp") if n in self._meshes]
+            parts = [self._meshes[n] for n in ("ep", "etp") if n in self._meshes]
             self._meshes["ep_etp"] = (
                 DeviceMesh._concatenate(parts) if len(parts) > 1 else parts[0]
             )
-        return mesh
-
-    def _build_ep_meshes(self, mesh: DeviceMesh, names: list[str]) -> None:
-        """``ep`` and ``dp_shard_mod_ep``: views of the world mesh (FSDP combines them).
-
-        The ranks with different tokens in one replica (dp_shard x cp, and tp when the TP
-        ranks split the MoE tokens) are flattened and unflattened into (dp_shard_mod_ep, ep),
-        ep innermost: it takes the tp ranks first (tp divides ep then), then cp, then
-        dp_shard. Experts are Shard(0) over ep and FSDP-sharded over dp_shard_mod_ep (HSDP
-        with dp_replicate).
-        """
-        if not self.tp_splits_moe_tokens:
-            source, n = self._meshes["dp_shard_cp"], self.dp_shard * self.cp
-        else:
-            present = tuple(d for d in ("dp_shard", "cp", "tp") if d in names)
-            source = (mesh[present]._flatten(mesh_dim_name="_".join(present))
-                      if len(present) > 1 else mesh[present[0]])
-            n = self.dp_shard * self.cp * self.tp
-        expert_mesh = source._unflatten(0, (n // self.ep, self.ep), ("dp_shard_mod_ep", "ep"))
-        self._meshes["ep"] = expert_mesh["ep"]
-        self._meshes["dp_shard_mod_ep"] = expert_mesh["dp_shard_mod_ep"]
 
     def get_mesh(self, name: str) -> DeviceMesh | None:
         """The (sub)mesh called ``name``, or None when that dimension is not in use."""
