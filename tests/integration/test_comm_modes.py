@@ -148,24 +148,32 @@ def test_local_tensor_matches_real_gloo_tp2_fsdp2(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_tensor_matches_real_gloo_expert_parallel_with_expert_tp(tmp_path):
-    """EP2 x TP2 x ETP2 x FSDP2 (Qwen3 MoE debug flavor): the token all-to-all's per-rank
-    splits, the experts on the (ep, tp) mesh gathered on use over dp_shard_mod_ep, and the
-    expert TP all-reduce, simulated in one process, give the real 4-rank run's losses."""
+@pytest.mark.parametrize("layout, logged", [
+    # experts on the (ep, tp) mesh, gathered on use over dp_shard_mod_ep
+    (dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
+     "ep=2: 4 experts per rank, all-to-all dispatch; etp=2: expert hidden dims split over tp"),
+    # two TP groups of two ranks: ep = the groups, their routed token counts differ
+    (dict(data_parallel_shard_degree=1, tensor_parallel_degree=4),
+     "tp=4: 2 TP groups route their own tokens; ep=2: 4 experts per rank, all-to-all "
+     "dispatch; etp=2: expert hidden dims split over each TP group"),
+], ids=["ep2_tp2_etp2_fsdp2", "ep2_tp4_etp2"])
+def test_local_tensor_matches_real_gloo_expert_parallel_with_expert_tp(tmp_path, layout, logged):
+    """EP2 x ETP2 (Qwen3 MoE debug flavor): the token all-to-all's per-rank splits, the
+    experts' DTensors and the expert TP all-reduce, simulated in one process, give the real
+    4-rank run's losses."""
     (tmp_path / "loss_probe.py").write_text(LOSS_PROBE)
     flags = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
              "--training.seq_len", "64", "--training.local_batch_size", "2",
              "--training.steps", "3", "--debug.seed", "42",
-             "--parallelism.data_parallel_shard_degree", "2",
-             "--parallelism.tensor_parallel_degree", "2",
              "--parallelism.expert_parallel_degree", "2",
              "--parallelism.expert_tensor_parallel_degree", "2",
              "--experimental.custom_import", "loss_probe"]
+    flags += [arg for key, value in layout.items() for arg in (f"--parallelism.{key}", str(value))]
     env = {"NGPU": "4", "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     simulated = _run({**env, "COMM_MODE": "local_tensor"}, *flags, tmp=tmp_path)
     out = simulated.stdout + simulated.stderr
     assert simulated.returncode == 0, out[-3000:]
-    assert "ep=2: 4 experts per rank, all-to-all dispatch; etp=2" in out
+    assert logged in out
     real = _run(env, *flags, tmp=tmp_path)
     assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]
     sim_losses, real_losses = _probed(simulated), _probed(real)
