@@ -1,8 +1,9 @@
 """Expert parallelism: each rank of the ``ep`` mesh holds ``num_experts / ep`` experts.
 
 The ``ep`` ranks are borrowed from the ranks that hold different MoE tokens within one replica:
-``dp_shard x cp``, and ``tp`` when the TP ranks split the MoE tokens
-(``expert_tensor_parallel_degree`` 1, :func:`moe_tp_style`). Those dims are flattened and
+``dp_shard x cp``, and the ``tp / etp`` token groups of the TP ranks
+(:func:`apply_moe_tp_boundary`; every TP rank at ``expert_tensor_parallel_degree`` 1). Those
+dims are flattened and
 unflattened into ``(dp_shard_mod_ep, ep)``, ep innermost (``ParallelDims.build_mesh``). Dense
 parameters stay FSDP-sharded over ``dp_shard_cp`` (HSDP with ``dp_replicate``); expert weights
 are ``Shard(0)`` (the expert dim) over ``ep`` and FSDP-sharded over the remaining
@@ -17,16 +18,18 @@ grouped GEMM, and sent back with the reverse all-to-all. Both all-to-alls carry 
 Gradients (:func:`moe_grad_hooks`, after backward): an expert's gradient already sums the
 tokens of the whole ``ep`` group (through the all-to-all's backward); FSDP/HSDP over
 ``(dp_replicate,) dp_shard_mod_ep`` averages over the rest of the ranks with other tokens, and
-dividing by ``ep / tp`` (``ep`` when the TP ranks share their tokens) makes it the global mean,
-as for dense parameters. Parameters the TP ranks hold whole while routing their own tokens
-(router, shared experts, experts without EP) get their gradients summed over ``tp``. (FSDP's
+dividing by ``ep / (tp / etp)`` makes it the global mean, as for dense parameters. Parameters
+the token groups hold alike while routing their own tokens (router, shared experts, experts
+without EP) get their gradients summed over ``tp_tokens``. (FSDP's
 own ``gradient_divide_factor`` is not used for this: in torch 2.13 a one-rank FSDP mesh
 applies it twice.)
 
-Expert tensor parallel (``expert_tensor_parallel_degree`` = tp, :class:`ExpertTensorParallel`):
-MoE layers see the TP-gathered sequence; the experts' hidden dims are also split over ``tp``
-(weights are DTensors on the ``(ep, tp)`` mesh ``ep_etp``), the shared experts' too, and the
-partial expert outputs are summed over ``tp`` inside the dispatch / combine pair.
+Expert tensor parallel (``expert_tensor_parallel_degree`` etp > 1, :class:`ExpertTensorParallel`):
+the TP ranks form ``tp / etp`` groups of ``etp`` consecutive ranks (``tp_tokens`` x ``etp``);
+MoE layers see the group's gathered sequence shards, the experts' hidden dims are split over
+``etp`` (weights are DTensors on the ``(ep, etp)`` mesh ``ep_etp``), the shared experts' too,
+and the partial expert outputs are summed over ``etp`` inside the dispatch / combine pair. The
+groups split the tokens like the TP ranks at etp 1 (etp = tp: one group).
 """
 
 from __future__ import annotations
@@ -184,15 +187,15 @@ def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 class ExpertTensorParallel:
-    """Experts' hidden dimension split over the TP ranks (forward hooks on ``experts``).
+    """Experts' hidden dimension split over the ``etp`` ranks of a TP group (forward hooks on
+    ``experts``).
 
-    MoE layers see the TP-gathered sequence and route it alike on every TP rank; each rank
-    runs its ``w1``/``w3`` columns and ``w2`` rows on the routed tokens and the partial
-    outputs are summed over TP (Megatron's copy / reduce pair around an MLP)."""
+    MoE layers see the group's gathered sequence shards and route them alike on its ranks;
+    each rank runs its ``w1``/``w3`` columns and ``w2`` rows on the routed tokens and the
+    partial outputs are summed over the group (Megatron's copy / reduce pair around an MLP)."""
 
-    def __init__(self, tp_mesh: DeviceMesh):
-        self.tp_mesh = tp_mesh
-        self.group_name = tp_mesh.get_group().group_name
+    def __init__(self, etp_mesh: DeviceMesh):
+        self.group_name = etp_mesh.get_group().group_name
 
     def enter(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, counts = args
@@ -222,16 +225,16 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
     if not layers:
         return 0
     ep_mesh = parallel_dims.get_mesh("ep")
-    tp_mesh = parallel_dims.get_mesh("etp")  # None unless experts are split (etp > 1)
-    mesh = parallel_dims.get_mesh("ep_etp") if tp_mesh is not None else ep_mesh
+    etp_mesh = parallel_dims.get_mesh("etp")  # None unless experts are split (etp > 1)
+    mesh = parallel_dims.get_mesh("ep_etp") if etp_mesh is not None else ep_mesh
     sharded_layers = layers if mesh is not None else []  # TP alone leaves the experts whole
     for layer in sharded_layers:
         check_expert_shapes(layer, ep_mesh.size() if ep_mesh else 1,
-                            tp_mesh.size() if tp_mesh else 1)
+                            etp_mesh.size() if etp_mesh else 1)
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             placements = [Shard(0)] if ep_mesh is not None else []
-            placements += [Shard(_HIDDEN_DIM[name])] if tp_mesh is not None else []
+            placements += [Shard(_HIDDEN_DIM[name])] if etp_mesh is not None else []
             sharded = distribute_tensor(param.data, mesh, placements)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         # pre-hooks run in registration order (dispatch, then TP), forward hooks too (TP
@@ -240,12 +243,12 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
             dispatch = _dispatch_cls(ep_mesh)
             experts.ep_dispatch = dispatch
             experts.register_forward_pre_hook(dispatch.dispatch)
-        if tp_mesh is not None:
-            etp = ExpertTensorParallel(tp_mesh)
-            experts.register_forward_pre_hook(etp.enter)
-            experts.register_forward_hook(etp.exit)
+        if etp_mesh is not None:
+            expert_tp = ExpertTensorParallel(etp_mesh)
+            experts.register_forward_pre_hook(expert_tp.enter)
+            experts.register_forward_hook(expert_tp.exit)
             if layer.shared_experts is not None:
-                _shard_shared_experts(layer.shared_experts, tp_mesh)
+                _shard_shared_experts(layer.shared_experts, etp_mesh)
         if ep_mesh is not None:
             experts.register_forward_hook(dispatch.combine)
     per_rank = layers[0].args.num_experts // (ep_mesh.size() if ep_mesh else 1)
@@ -259,9 +262,9 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
             f"ep={ep_mesh.size()}: {per_rank} experts per rank, all-to-all dispatch"
             f"{', balanced routing assumed' if _dispatch_cls is not ExpertDispatch else ''}"
         )
-    if tp_mesh is not None:
-        what.append(f"etp={tp_mesh.size()}: expert hidden dims split over "
-                    + ("tp" if tp_mesh.size() == parallel_dims.tp else "each TP group"))
+    if etp_mesh is not None:
+        what.append(f"etp={etp_mesh.size()}: expert hidden dims split over "
+                    + ("tp" if etp_mesh.size() == parallel_dims.tp else "each TP group"))
     if what:
         verb = "Applied expert parallel to" if mesh is not None else "Tensor parallel in"
         logger.info(f"{verb} {len(layers)} MoE layer(s) ({'; '.join(what)})")
@@ -324,7 +327,7 @@ def check_expert_shapes(layer: nn.Module, ep: int, etp: int) -> None:
             )
 
 
-def _shard_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _shard_shared_experts(shared: nn.Module, etp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -334,7 +337,7 @@ def _shard_shared_experts(shared: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     # the MoE input is the plain, TP-gathered sequence: column-wise w1/w3 take it as
     # Replicate, row-wise w2 sums back to a plain replicated output
-    parallelize_module(shared, tp_mesh, {
+    parallelize_module(shared, etp_mesh, {
         "w1": ColwiseParallel(),
         "w3": ColwiseParallel(),
         "w2": RowwiseParallel(output_layouts=Replicate()),
