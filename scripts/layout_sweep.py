@@ -5,8 +5,8 @@ one line and exit 2; a resume at another random layout must load the checkpoint 
     python scripts/layout_sweep.py --trials 14 --seed 5      # about 6 minutes on 2 CPU cores
 
 Slow, not part of CI. Each trial draws a model (Llama 3 tiny, Qwen3, Qwen3 MoE, DeepSeek-V3
-debug), NGPU in {1, 2, 4}, degrees for TP / PP (and a schedule) / CP / replicate, expert
-parallel and expert TP for MoE models, compile (aot_eager or inductor), AC, document masking
+debug), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule) / CP / replicate,
+expert parallel and expert TP (any divisor of tp) for MoE models, compile (aot_eager or inductor), AC, document masking
 (SDPA or FlexAttention), float8 (emulated), bf16 mixed precision and gradient accumulation, and
 runs 2 steps through ``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same
 model resumes it to step 3 (redrawn while it is refused as a user error). Verdicts:
@@ -55,7 +55,8 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
     left = ngpu
     degrees = {}
     for name in ("tensor", "pipeline", "context", "data_parallel_replicate"):
-        degree = rng.choice([d for d in (1, 1, 2) if left % d == 0])
+        pool = (1, 1, 2, 4) if name == "tensor" else (1, 1, 2)
+        degree = rng.choice([d for d in pool if left % d == 0])
         left //= degree
         degrees[name] = degree
         if degree > 1:
@@ -63,8 +64,10 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
             flags += [f"--parallelism.{key}_degree", str(degree)]
     if moe and rng.random() < 0.6:
         flags += ["--parallelism.expert_parallel_degree", str(rng.choice([2, 2, 4]))]
-        if degrees["tensor"] > 1 and rng.random() < 0.5:
-            flags += ["--parallelism.expert_tensor_parallel_degree", str(degrees["tensor"])]
+        tp = degrees["tensor"]
+        if tp > 1 and rng.random() < 0.5:  # any divisor of tp: all TP ranks, or groups of them
+            etp = rng.choice([d for d in range(2, tp + 1) if tp % d == 0])
+            flags += ["--parallelism.expert_tensor_parallel_degree", str(etp)]
     if degrees["pipeline"] > 1:
         flags += ["--parallelism.pipeline_parallel_schedule", rng.choice(SCHEDULES)]
     if rng.random() < 0.35:
