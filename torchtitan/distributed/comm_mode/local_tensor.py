@@ -15,6 +15,7 @@ memory before the build and refuses a run that cannot fit.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +54,18 @@ def available_memory_bytes(device_type: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def real_rank_threads(world_size: int) -> int | None:
+    """CPU threads for the simulation: as many as each rank of the real CPU job gets
+    (``run_train.sh``: the cores / NGPU, at least 1), so CPU kernels split their sums alike and
+    the numerics match the real run's (with another thread count some kernels round their
+    last bit differently, and not always the same way). None on GPU machines or when
+    ``OMP_NUM_THREADS`` is set."""
+    if "OMP_NUM_THREADS" in os.environ or torch.cuda.is_available():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
 
 
 @contextlib.contextmanager
@@ -257,6 +270,13 @@ class LocalTensorSim(CommMode):
             raise ParallelismError(
                 f"COMM_MODE={self.name} cannot run " + "; ".join(refused)
                 + ": turn that off, or run it for real with torchrun"
+            )
+        threads = real_rank_threads(self.world_size)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            logger.info(
+                f"COMM_MODE={self.name}: {threads} CPU thread(s), what each of the "
+                f"{self.world_size} real ranks gets from run_train.sh (OMP_NUM_THREADS overrides)"
             )
         self._initial_load = take_initial_load(job_config, self.name)
         prepare_dry_run(
