@@ -151,23 +151,6 @@ def expert_dispatch_policy(cls: type[ExpertDispatch]) -> Iterator[None]:
         _dispatch_cls = previous
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Forward passes the (equal on every rank) routed tokens through; backward sums their
-    gradient, each rank's share from its slice of the experts, over the TP ranks. (Plain
-    functional collectives rather than DTensor: the routed token count differs between ranks
-    of different ep coordinates, which ``COMM_MODE=local_tensor`` cannot put in a DTensor
-    spec.)"""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        ctx.group_name = group_name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce_sum(grad.contiguous(), ctx.group_name), None
-
-
 class _ReduceFromTensorParallel(torch.autograd.Function):
     """Forward sums the partial outputs of the TP ranks; backward passes the (equal on every
     rank) gradient through."""
@@ -195,11 +178,14 @@ class ExpertTensorParallel:
     partial outputs are summed over the group (Megatron's copy / reduce pair around an MLP)."""
 
     def __init__(self, etp_mesh: DeviceMesh):
+        self.etp_mesh = etp_mesh
         self.group_name = etp_mesh.get_group().group_name
 
     def enter(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchtitan.distributed.tensor_parallel import sum_gradient_over_tp
+
         tokens, counts = args
-        return _CopyToTensorParallel.apply(tokens, self.group_name), counts
+        return sum_gradient_over_tp(tokens, self.etp_mesh), counts
 
     def exit(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return _ReduceFromTensorParallel.apply(output, self.group_name)

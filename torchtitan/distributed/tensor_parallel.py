@@ -29,15 +29,28 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torchtitan.tools.logging import logger
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (a functional all-reduce,
+    not DTensor: under ``COMM_MODE=local_tensor`` a tensor whose size differs between ranks,
+    such as expert-parallel routed tokens, cannot sit in a DTensor spec)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ops = torch.ops._c10d_functional
+        summed = ops.wait_tensor(ops.all_reduce(grad.contiguous(), "sum", ctx.group_name))
+        return summed, None
+
+
 def sum_gradient_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """Identity forward; backward all-reduces ``x``'s gradient over the TP ranks (Megatron's
     "copy to the tensor-parallel region"), for a plain tensor every TP rank feeds into its own
     shard of the work, so each rank's gradient is only that shard's share."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
-        grad_placements=[Partial()]
-    )
+    return _CopyToTensorParallel.apply(x, tp_mesh.get_group().group_name)
 
 
 def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
