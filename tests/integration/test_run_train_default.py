@@ -9,19 +9,22 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # real training runs in subprocesses (about 75 s on 2 cores)
+pytestmark = pytest.mark.slow  # real training runs in subprocesses (about 30 s on 2 cores)
 
 
 def test_default_run_trains_debug_model(dump_folder, cpu_env):
+    """Plain ./run_train.sh (the debug config's model, data and schedule), cut to 10 of its
+    steps: 2 s each on 2 cores, and the loss has fallen by 2 by then."""
     proc = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", str(dump_folder), "--metrics.disable_color_printing"],
+        ["./run_train.sh", "--job.dump_folder", str(dump_folder), "--metrics.disable_color_printing",
+         "--training.steps", "10"],
         cwd=REPO_ROOT, env=cpu_env, capture_output=True, text=True, timeout=900,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", out)]
-    assert len(losses) == 30, out[-3000:]
-    assert losses[-1] < losses[0] - 2.0, losses  # e.g. 8.2 -> 4.5 on the synthetic corpus
+    assert len(losses) == 10, out[-3000:]
+    assert losses[-1] < losses[0] - 1.5, losses  # e.g. 8.25 -> 6.06 on the synthetic corpus
     assert "Training completed" in out
 
 
