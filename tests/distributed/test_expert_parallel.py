@@ -11,14 +11,15 @@ CP4 (experts FSDP-sharded over the other cp ranks). Under TP the TP ranks split 
 dp_shard) and DDP2 x TP2 x EP2 vs FSDP2; or every expert is split over tp (expert TP): EP2 x TP2 x
 FSDP2 with ETP2 vs FSDP2, and ETP2 x TP2 x PP2 (dp 1, one global batch) vs FSDP2; or both (1 < etp
 < tp): TP4 x ETP2 (two token groups of two ranks, each expert split over a group) and EP2 x TP4 x
-ETP2 (ep = the two groups), at dp 1. Per-step loss and grad norm over 4 AdamW steps (5 for the HSDP
-and CP layouts; clipping at 0.5 active) agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see
-NORM_TOL), and so do the load-balancing biases: the all-to-all moves tokens exactly and only the
-order of fp32 sums changes; an expert gradient off by the ep factor moves the grad norm by 1e-3 and
-the loss by 2e-5 from step 3. A checkpoint saved at EP2 x FSDP2 resumes at FSDP4, at EP2 x TP4 x
-ETP2, at EP4 x TP2 (ep = tp x dp_shard) and at one device. Layer-level tests send no tokens from
-one rank to the other rank's experts, check expert TP's output and every gradient shard against the
-whole layer, and the auxiliary loss over sequence shards.
+ETP2 (ep = the two groups), at dp 1, and on 8 ranks with HSDP (dp_replicate 2) vs FSDP2. Per-step
+loss and grad norm over 4 AdamW steps (5 for the HSDP 2x2 and CP layouts; clipping at 0.5 active)
+agree within rtol 1e-5 (losses) and 1e-4 (grad norms, see NORM_TOL), and so do the load-balancing
+biases: the all-to-all moves tokens exactly and only the order of fp32 sums changes; an expert
+gradient off by the ep factor moves the grad norm by 1e-3 and the loss by 2e-5 from step 3. A
+checkpoint saved at EP2 x FSDP2 resumes at FSDP4, at EP2 x TP4 x ETP2, at EP4 x TP2 (ep = tp x
+dp_shard) and at one device. Layer-level tests send no tokens from one rank to the other rank's
+experts, check expert TP's output and every gradient shard against the whole layer, and the
+auxiliary loss over sequence shards.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ FOUR_RANKS = {
     # ep = 2 of the 4 cp ranks; experts FSDP over the other 2 (dp 1: the same global batch)
     "ep2_cp4": [*_cp(4), *_dp(1), "--training.local_batch_size", "8", *FIVE_STEPS, *_ep(2)],
 }
+EIGHT_RANKS = {
+    # HSDP with both token groups and expert TP: dp_replicate 2 x TP4 x ETP2, ep = the 2 token
+    # groups of each replica; experts replicated over dp_replicate, sharded on (ep, etp)
+    "ep2_hsdp2x1_tp4_etp2": [*REP2, *_dp(1), *TP4, *ETP2, *_ep(2)],
+}
 PAIRS = [
     ("ep2_fsdp2", "fsdp2"),
     ("ep2_sac", "fsdp2"),
@@ -123,6 +129,7 @@ PAIRS = [
     ("ep2_cp2_fsdp2", "cp2_fsdp2"),
     ("ep4_cp2_fsdp2", "cp2_fsdp2"),
     ("ep2_cp4", "cp2_fsdp2"),  # dp 1 vs 2, one global batch: equal within the same bounds
+    ("ep2_hsdp2x1_tp4_etp2", "fsdp2"),  # dp 2 in both
 ]
 
 
@@ -155,6 +162,7 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
                                        *ONE_BATCH),
             # ep = the TP ranks, which split the MoE tokens
             "resumed_ep4_tp2": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(4))}),
+        (8, EIGHT_RANKS, [], {}),
         (1, {}, [], {"resumed_one": resume_args(saved, 2, *MOE)}),
     ):
         argvs = first + [
