@@ -6,10 +6,11 @@ one line and exit 2; a resume at another random layout must load the checkpoint 
 
 Slow, not part of CI. Each trial draws a model (Llama 3 tiny, Qwen3, Qwen3 MoE, DeepSeek-V3
 debug), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule) / CP / replicate,
-expert parallel and expert TP (any divisor of tp) for MoE models, compile (aot_eager or inductor), AC, document masking
-(SDPA or FlexAttention), float8 (emulated), bf16 mixed precision and gradient accumulation, and
-runs 2 steps through ``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same
-model resumes it to step 3 (redrawn while it is refused as a user error). Verdicts:
+expert parallel and expert TP (any divisor of tp) for MoE models, compile (aot_eager or
+inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), bf16 mixed
+precision and gradient accumulation, and runs 2 steps through ``./run_train.sh`` with a
+checkpoint every step. When that trains, a second layout of the same model resumes it to step 3
+(redrawn while it is refused as a user error). Verdicts:
 
 * ``ok``: exit 0, steps logged (and, for a resume, "Checkpoint: loaded");
 * ``user-error``: exit 2 with an ``error:`` line at the start of a line and no traceback;

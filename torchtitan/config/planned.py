@@ -10,9 +10,8 @@ silently ignored:
 * :data:`METADATA_FIELDS` describe the config itself; no training code acts on them by design.
 
 Empty today. Some settings are refused in some layouts with their own message instead
-(``parallelism.expert_tensor_parallel_degree`` other than 1 or the TP degree,
-``optimizer.early_step_in_backward`` with
-clipping or pipeline parallel...), and two upstream keys whose features this build lacks
+(``parallelism.expert_tensor_parallel_degree`` that does not divide the TP degree,
+``optimizer.early_step_in_backward`` with clipping or pipeline parallel...), and two upstream keys whose features this build lacks
 (``parallelism.expert_parallel_comm_backend`` other than "standard",
 ``parallelism.pipeline_parallel_expert_parallel_overlap``) are legacy rules that drop
 upstream's default and refuse any other value (config/legacy.py).
