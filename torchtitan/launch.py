@@ -167,14 +167,19 @@ def main(argv: list[str] | None = None) -> int:
 
         if forward_sigterm_to_ranks():
             opts = [*opts, "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
-    if _option(opts, "shutdown_timeout", "shutdown-timeout") is None:
-        # Now used only to tear down the other ranks after one failed (they are stuck in a
-        # collective or stopped): 5 s instead of torchrun's 30 s.
-        opts = [*opts, "--shutdown-timeout", os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")]
+    parser = get_args_parser()
+    # Now used only to tear down the other ranks after one failed (they are stuck in a
+    # collective or stopped): 5 s instead of torchrun's 30 s. torchrun has the flag from torch
+    # 2.13 on; older ones get the same teardown time through the patch below.
+    shutdown_timeout = _option(opts, "shutdown_timeout", "shutdown-timeout")
+    if shutdown_timeout is None:
+        shutdown_timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
+        if "--shutdown-timeout" in parser._option_string_actions:
+            opts = [*opts, "--shutdown-timeout", shutdown_timeout]
     from torchtitan.tools.lifecycle import honour_shutdown_timeout_on_failure
 
-    honour_shutdown_timeout_on_failure(int(_option(opts, "shutdown_timeout", "shutdown-timeout") or 30))
-    args = get_args_parser().parse_args([*opts, *entry])
+    honour_shutdown_timeout_on_failure(int(shutdown_timeout or 30))
+    args = parser.parse_args([*opts, *entry])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
     try:
         run(args)

@@ -23,6 +23,7 @@ from torchtitan.components.converters import (  # noqa: E402
     converter_class,
     prepare_dry_run,
 )
+from torchtitan.components.mx import torch_has_mx_training  # noqa: E402
 from torchtitan.config.errors import ConfigError  # noqa: E402
 from torchtitan.config.manager import ConfigManager  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
@@ -109,6 +110,19 @@ def test_refusals_are_one_line(flags, device, needle):
     with pytest.raises(ValueError) as info:
         check_converters(cfg(*flags), device)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_mx_on_a_torch_without_mx_training_is_one_line(monkeypatch):
+    """torch 2.11 lacks what torchao's MXFP8 training asserts on: refused before any work."""
+    import torchtitan.components.mx as mx_module
+
+    monkeypatch.setattr(mx_module, "torch_has_mx_training", lambda: False)
+    with pytest.raises(ValueError) as info:
+        check_converters(cfg("--model.converters", "mx", *EMULATED_MX), "cpu")
+    assert str(info.value) == (
+        f"model.converters mx needs a newer torch than {torch.__version__} (torchao's MXFP8 "
+        "training uses DTensor features that torch 2.13 has): upgrade torch, or use "
+        "model.converters float8")
 
 
 def test_dry_run_emulates_what_this_machine_lacks(caplog):
@@ -291,6 +305,11 @@ def test_moe_experts_convert_to_float8_grouped_gemm_weights_on_meta():
 # ----------------------------------------------------------------------------- MX
 
 
+NEEDS_MX_TORCH = pytest.mark.skipif(not torch_has_mx_training(),
+                                    reason="torchao's MXFP8 training needs torch 2.13")
+
+
+@NEEDS_MX_TORCH
 def test_emulated_mx_trains_and_keeps_checkpoints_plain():
     """MXFP8 (emulated recipe): linears converted, loss within 1% of high precision, state
     dict plain; a plain DCP checkpoint loads into the converted model."""
@@ -319,6 +338,7 @@ def test_emulated_mx_trains_and_keeps_checkpoints_plain():
     assert 0 < abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
 
 
+@NEEDS_MX_TORCH
 def test_emulated_mx_moe_experts_run_grouped_gemms_in_mxfp8():
     """mx.moe_fqns_prototype: the experts' grouped GEMMs in (emulated) MXFP8, close to the
     high-precision layer; the router gate (dims not multiples of 32) stays plain."""

@@ -247,3 +247,40 @@ def test_debug_configs_validate_as_they_are(capsys, name):
     path = str(REPO_ROOT / "train_configs" / f"{name}.toml")
     code = main(["--job.config_file", path, "--validation.enable"])
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("torchrun_has_flag", [True, False], ids=["torch-2.13", "torch-2.11"])
+def test_launcher_passes_shutdown_timeout_only_to_a_torchrun_that_has_it(
+    monkeypatch, tmp_path, torchrun_has_flag
+):
+    """torchrun gained --shutdown-timeout in torch 2.13; handing it to torch 2.11's torchrun
+    stopped every ./run_train.sh there ("unrecognized arguments"). Both get the 5 s teardown."""
+    import torch.distributed.run as torchrun
+
+    import torchtitan.tools.lifecycle as lifecycle
+    from torchtitan.launch import main as launch_main
+
+    real_parser = torchrun.get_args_parser
+
+    def parser():
+        p = real_parser()
+        if not torchrun_has_flag:
+            action = p._option_string_actions["--shutdown-timeout"]
+            p._remove_action(action)
+            for group in p._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            for name in action.option_strings:
+                p._option_string_actions.pop(name)
+        return p
+
+    ran, teardown = [], []
+    monkeypatch.setattr(torchrun, "get_args_parser", parser)
+    monkeypatch.setattr(torchrun, "run", ran.append)
+    monkeypatch.setattr(lifecycle, "honour_shutdown_timeout_on_failure", teardown.append)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    code = launch_main(["--nproc_per_node=2", "--log-dir", str(tmp_path), "--signals-to-handle",
+                        "SIGINT", "--", "-m", "some.module"])
+    assert code == 0 and len(ran) == 1 and teardown == [5]
+    assert ran[0].nproc_per_node == "2" and ran[0].training_script == "some.module"
+    assert getattr(ran[0], "shutdown_timeout", None) == (5 if torchrun_has_flag else None)

@@ -50,6 +50,14 @@ def resolve_recipe(name: str) -> str:
                       f"{', '.join(RECIPES)}")
 
 
+def torch_has_mx_training() -> bool:
+    """Whether this torch has the DTensor pieces torchao 0.18's MXFP8 training asserts on
+    (torch 2.13 has them, 2.11 does not); the same test torchao makes, before any work."""
+    from torch.distributed.tensor import _dispatch, _ops
+
+    return hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")
+
+
 def has_mx_hardware(device_type: str) -> bool:
     cap = cuda_capability()
     return device_type == "cuda" and cap is not None and cap >= MX_CAPABILITY
@@ -67,13 +75,17 @@ class MXConverter(ModelConverter):
 
     @classmethod
     def check_device(cls, job_config: JobConfig, device_type: str) -> None:
-        if resolve_recipe(job_config.mx.recipe_name) == EMULATED:
-            return
-        if not has_mx_hardware(device_type):
+        if resolve_recipe(job_config.mx.recipe_name) != EMULATED and not has_mx_hardware(device_type):
             raise ValueError(
                 "model.converters mx needs a GPU with MXFP8 matmuls (CUDA compute capability "
                 f">= 10.0, e.g. B200); this machine has {describe_device(device_type)}: use "
                 f"float8 instead, or mx.recipe_name={EMULATED!r} to emulate MXFP8 (slow; for tests)"
+            )
+        if not torch_has_mx_training():
+            raise ValueError(
+                f"model.converters mx needs a newer torch than {torch.__version__} (torchao's "
+                "MXFP8 training uses DTensor features that torch 2.13 has): upgrade torch, or "
+                "use model.converters float8"
             )
 
     @classmethod

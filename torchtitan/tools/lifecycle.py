@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
 import signal
 import sys
@@ -162,7 +163,7 @@ def forward_sigterm_to_ranks() -> bool:
 
 
 def honour_shutdown_timeout_on_failure(timeout: int) -> None:
-    """torchrun (torch 2.13) tears the other ranks down after a rank failed with a fixed 30 s
+    """torchrun (torch 2.11-2.13) tears the other ranks down after a rank failed with a fixed 30 s
     grace, ignoring ``--shutdown-timeout`` (``PContext.close``'s default, and the agent's
     ``_stop_workers``); a rank that is stopped or hung then delays the end of the job by 30 s.
     Make those paths use ``timeout`` too."""
@@ -179,8 +180,14 @@ def honour_shutdown_timeout_on_failure(timeout: int) -> None:
     def close(self, death_sig=None, timeout=None):  # noqa: ANN001 - torchrun's signature
         return original_close(self, death_sig, PContext._titan_timeout if timeout is None else timeout)
 
+    # torch < 2.13: _shutdown takes no timeout and closes with timeout None (the patched close)
+    shutdown_takes_timeout = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
+
     def _stop_workers(self, worker_group) -> None:  # noqa: ARG001 - torchrun's signature
-        self._shutdown(timeout=PContext._titan_timeout)
+        if shutdown_takes_timeout:
+            self._shutdown(timeout=PContext._titan_timeout)
+        else:
+            self._shutdown()
 
     PContext._titan_timeout = timeout
     PContext.close = close

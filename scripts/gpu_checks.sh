@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 6 minutes:
+#
+#   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check, in this order
+#
+# Checks: debug (run_train.sh, MFU line, CUDA memory snapshot), f8_bf16 / f8_float8
+# (scripts/benchmark.py on 8B-shaped layers, compiled, bf16 vs float8 tensorwise), moe_f8 (Qwen3
+# MoE compiled, float8 Linear + float8 grouped GEMM experts), cuda_tests (the tests that need
+# CUDA), dsv3_flex (DeepSeek-V3 debug, FlexAttention documents, compiled), launcher_tests
+# (run_train.sh's failure paths on this torch's torchrun, CPU ranks). Each has its own time
+# limit; OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail
+# of each check's log) and logs.tgz (the whole logs); dump folders stay in
+# ${GPU_CHECKS_TMP:-/tmp/gpu_checks}.
+set -u
+out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [CHECK ...]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+tmp=${GPU_CHECKS_TMP:-/tmp/gpu_checks}
+mkdir -p "$tmp"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+export PYTHONPATH="$PWD/scripts:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py=$(command -v python3 || command -v python)
+
+check() {  # check NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$tmp/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+    { echo "===== $name (exit $rc)"; grep -v -E "Warning|warnings.warn" "$tmp/$name.log" | tail -25; } >>"$out/checks.log"
+}
+
+bench() {  # bench NAME EXTRA_FLAGS...: 8B-shaped layers, seq 4096, compiled, no AC
+    local name=$1
+    shift
+    check "$name" 150 "$py" scripts/benchmark.py --steps 12 --warmup 5 \
+        --experimental.custom_import benchmark_flavors --model.flavor 8B_4layers \
+        --training.seq_len 4096 --training.local_batch_size 2 --compile.enable \
+        --activation_checkpoint.mode none --training.mixed_precision_param bfloat16 \
+        --job.dump_folder "$tmp/$name" "$@"
+}
+
+run() {  # run NAME CONFIG EXTRA_FLAGS...: ./run_train.sh on one GPU
+    local name=$1 config=$2
+    shift 2
+    check "$name" "${RUN_LIMIT:-120}" env NGPU=1 CONFIG_FILE="$config" ./run_train.sh \
+        --job.dump_folder "$tmp/$name" --metrics.disable_color_printing \
+        --training.mixed_precision_param bfloat16 "$@"
+}
+
+checks=("$@")
+[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests)
+nvidia-smi -L >>"$out/summary.txt" 2>&1
+"$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
+    >>"$out/summary.txt" 2>&1
+for c in "${checks[@]}"; do
+    case $c in
+        cuda_tests) check cuda_tests 90 "$py" -m pytest -q -p no:cacheprovider \
+            tests/unit/test_profiling.py tests/unit/test_converters.py ;;
+        debug) run debug ./train_configs/debug_model.toml --training.steps 20 \
+            --profiling.enable_memory_snapshot && ls -R "$tmp/debug" >>"$out/checks.log" ;;
+        f8_bf16) bench f8_bf16 ;;
+        f8_float8) bench f8_float8 --model.converters float8 ;;
+        moe_f8) run moe_f8 ./train_configs/qwen3_debugmodel_moe.toml --training.steps 10 \
+            --compile.enable --model.converters float8 --float8.recipe_name rowwise \
+            --float8.moe_fqns_prototype experts ;;
+        dsv3_flex) run dsv3_flex ./train_configs/deepseek_v3_debugmodel.toml --training.steps 10 \
+            --compile.enable --model.use_flex_attn --model.attn_mask_type block_causal ;;
+        launcher_tests) check launcher_tests 150 "$py" -m pytest -q -p no:cacheprovider \
+            tests/integration/test_launcher_errors.py tests/integration/test_launcher.py ;;
+        *) echo "unknown check $c" >>"$out/summary.txt" ;;
+    esac
+done
+tar czf "$out/logs.tgz" -C "$tmp" $(cd "$tmp" && ls ./*.log)
