@@ -7,7 +7,8 @@
 # (scripts/benchmark.py on 8B-shaped layers, compiled, bf16 vs float8 tensorwise), moe_f8 (Qwen3
 # MoE compiled, float8 Linear + float8 grouped GEMM experts), cuda_tests (the tests that need
 # CUDA), dsv3_flex (DeepSeek-V3 debug, FlexAttention documents, compiled), launcher_tests
-# (run_train.sh's failure paths on this torch's torchrun, CPU ranks). Each has its own time
+# (run_train.sh's failure paths on this torch's torchrun, CPU ranks), fast_tests (the fast test
+# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines). Each has its own time
 # limit; OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail
 # of each check's log) and logs.tgz (the whole logs); dump folders stay in
 # ${GPU_CHECKS_TMP:-/tmp/gpu_checks}.
@@ -51,7 +52,7 @@ run() {  # run NAME CONFIG EXTRA_FLAGS...: ./run_train.sh on one GPU
 }
 
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests)
+[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests fast_tests)
 nvidia-smi -L >>"$out/summary.txt" 2>&1
 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     >>"$out/summary.txt" 2>&1
@@ -70,6 +71,9 @@ for c in "${checks[@]}"; do
             --compile.enable --model.use_flex_attn --model.attn_mask_type block_causal ;;
         launcher_tests) check launcher_tests 150 "$py" -m pytest -q -p no:cacheprovider \
             tests/integration/test_launcher_errors.py tests/integration/test_launcher.py ;;
+        fast_tests) check fast_tests 240 env CUDA_VISIBLE_DEVICES= "$py" -m pytest -q -rf \
+            -m "not slow" -p no:cacheprovider $("$py" -c "import xdist" 2>/dev/null && printf -- '-n 8') \
+            tests/unit tests/distributed ;;
         *) echo "unknown check $c" >>"$out/summary.txt" ;;
     esac
 done
