@@ -8,7 +8,8 @@
 # MoE compiled, float8 Linear + float8 grouped GEMM experts), cuda_tests (the tests that need
 # CUDA), dsv3_flex (DeepSeek-V3 debug, FlexAttention documents, compiled), launcher_tests
 # (run_train.sh's failure paths on this torch's torchrun, CPU ranks), fast_tests (the fast test
-# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines). Each has its own time
+# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines); not by default:
+# slow_tests (the multi-rank gloo tests of tests/distributed on that torch). Each has its own time
 # limit; OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail
 # of each check's log) and logs.tgz (the whole logs); dump folders stay in
 # ${GPU_CHECKS_TMP:-/tmp/gpu_checks}.
@@ -74,6 +75,8 @@ for c in "${checks[@]}"; do
         fast_tests) check fast_tests 240 env CUDA_VISIBLE_DEVICES= "$py" -m pytest -q -rf \
             -m "not slow" -p no:cacheprovider $("$py" -c "import xdist" 2>/dev/null && printf -- '-n 8') \
             tests/unit tests/distributed ;;
+        slow_tests) check slow_tests 480 env CUDA_VISIBLE_DEVICES= "$py" -m pytest -q -rf \
+            -p no:cacheprovider tests/distributed ;;  # not in the default list: ~5 min
         *) echo "unknown check $c" >>"$out/summary.txt" ;;
     esac
 done
