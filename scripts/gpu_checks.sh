@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 6 minutes:
+# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 7 minutes:
 #
-#   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check, in this order
+#   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check below but slow_tests
 #
 # Checks: debug (run_train.sh, MFU line, CUDA memory snapshot), f8_bf16 / f8_float8
 # (scripts/benchmark.py on 8B-shaped layers, compiled, bf16 vs float8 tensorwise), moe_f8 (Qwen3
