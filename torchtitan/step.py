@@ -112,6 +112,7 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
     global_tokens = dist_utils.dist_reduce(local_tokens, "sum", run.parallel_dims.get_mesh("dp"))
     n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
     loss_scale = n_loss_ranks / max(global_tokens, 1.0)
+    run.step_tokens = float(global_tokens)
     with run.comm_mode.step():
         local_loss = torch.zeros((), device=run.device)
         for i, (inputs, labels) in enumerate(microbatches):

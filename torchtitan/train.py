@@ -149,7 +149,9 @@ class Trainer(Stateful):
         ft.register_live_state(LiveState(parts, after_load=self._peer_state_loaded))
         if not ft.semi_sync:
             self.run.after_backward.append(
-                ft.sync_gradients_hook(self.model_parts, self.run.moe_layers)
+                ft.sync_gradients_hook(
+                    self.model_parts, self.run.moe_layers, lambda: self.run.step_tokens
+                )
             )
         return ft
 
@@ -203,7 +205,7 @@ class Trainer(Stateful):
             loss, grad_norm = compute_gradients(self.run, microbatches)
         synchronous_ft = self.ft is not None and not self.ft.semi_sync
         if synchronous_ft:
-            loss = self.ft.average(loss)
+            loss = self.ft.average_loss(loss)
         if self.comm_mode.computes_values and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise TrainingError(
                 f"loss became {loss} (grad norm {grad_norm}) at step {self.step}; the "

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tests.conftest import REPO_ROOT
-from torchtitan.components.fault_tolerance import _buckets
+from torchtitan.components.fault_tolerance import FaultTolerance, _buckets
 from torchtitan.components.fault_tolerance.layout import (
     FaultToleranceError,
     check_lighthouse,
@@ -167,6 +167,83 @@ def test_like_template_keeps_plain_values_and_moves_tensors():
 def test_gradient_buckets_keep_order_and_split_by_dtype():
     ts = [torch.zeros(3), torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(1)]
     assert [[t.numel() for t in b] for b in _buckets(ts)] == [[3, 2], [2], [1]]
+
+
+class _PairedManager:
+    """torchft's Manager.allreduce between two in-process replica groups (one thread each)."""
+
+    def __init__(self, slots: list, barrier, index: int) -> None:
+        self.slots, self.barrier, self.index = slots, barrier, index
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op=None):
+        from torch.distributed import ReduceOp
+
+        self.slots[self.index] = tensor.clone()
+        self.barrier.wait()
+        total = self.slots[0] + self.slots[1]
+        self.barrier.wait()
+        tensor.copy_(total if reduce_op == ReduceOp.SUM else total / 2)  # torchft: AVG
+        done = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+
+
+def _two_groups_step(valid: tuple[int, int], weighted: bool = True):
+    """One step of two replica groups on the rows of one batch, rows past each group's valid
+    count ignored (as labels of -100 are); returns their gradients and logged losses and the
+    gradients of one job over both groups' valid rows."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(2, 8, 4), torch.randn(2, 8, 3)
+    slots, barrier = [None, None], threading.Barrier(2)
+    results: list = [None, None]
+
+    def group(index: int) -> None:
+        replica = nn.Linear(4, 3)
+        replica.load_state_dict(model.state_dict())
+        n = valid[index]
+        loss = ((replica(x[index, :n]) - y[index, :n]) ** 2).sum() / n  # per-token mean
+        loss.backward()
+        ft = object.__new__(FaultTolerance)
+        ft.manager = _PairedManager(slots, barrier, index)
+        tokens = (lambda: float(n)) if weighted else None
+        ft.sync_gradients_hook([replica], step_tokens=tokens)()
+        results[index] = ([p.grad.clone() for p in replica.parameters()],
+                          ft.average_loss(loss.item()), ft.token_weight)
+
+    threads = [threading.Thread(target=group, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = torch.cat([x[0, : valid[0]], x[1, : valid[1]]]), torch.cat([y[0, : valid[0]], y[1, : valid[1]]])
+    loss = ((model(rows[0]) - rows[1]) ** 2).sum() / sum(valid)
+    loss.backward()
+    return results, [p.grad for p in model.parameters()], loss.item()
+
+
+def test_groups_with_different_token_counts_average_per_token_like_one_job():
+    """7 and 3 valid tokens: each group's gradient is a mean over its own tokens; weighted by
+    the counts, the average over the groups is the mean over all 10 (a plain mean of the two
+    group means is off by more than 10% here)."""
+    (a, b), one_job, job_loss = _two_groups_step((7, 3))
+    assert a[2] == pytest.approx(1.4) and b[2] == pytest.approx(0.6)
+    for ga, gb, g in zip(a[0], b[0], one_job):
+        torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+        torch.testing.assert_close(ga, g, rtol=1e-6, atol=1e-7)
+    assert a[1] == b[1] == pytest.approx(job_loss, rel=1e-6)
+    (plain, _), _, _ = _two_groups_step((7, 3), weighted=False)  # the plain mean of the means
+    assert plain[2] == 1.0
+    assert not any(torch.allclose(p, g, rtol=0.1) for p, g in zip(plain[0], one_job))
+
+
+def test_groups_with_equal_token_counts_are_not_rescaled():
+    (a, b), one_job, _ = _two_groups_step((5, 5))
+    assert a[2] == b[2] == 1.0  # exactly: the gradients are averaged untouched
+    for ga, g in zip(a[0], one_job):
+        torch.testing.assert_close(ga, g, rtol=1e-6, atol=1e-7)
 
 
 def test_launcher_prints_the_lighthouse_and_one_command_per_group(capsys, monkeypatch):

@@ -62,9 +62,10 @@ class FaultTolerance:
     """torchft's Manager for this rank, and the Trainer's hooks into it.
 
     Synchronous mode (no ``semi_sync_method``): :meth:`begin_step` forms the quorum (and heals
-    this group first if it is behind), :meth:`sync_gradients` averages the gradients over the
-    groups in it, :meth:`average` the logged loss, and :meth:`should_commit` is the vote that
-    decides whether the optimizer steps. Semi-synchronous mode: see :meth:`wrap_optimizer_step`.
+    this group first if it is behind), :meth:`sync_gradients_hook` averages the gradients over
+    the groups in it (weighted by their token counts), :meth:`average_loss` the logged loss,
+    and :meth:`should_commit` is the vote that decides whether the optimizer steps.
+    Semi-synchronous mode: see :meth:`wrap_optimizer_step`.
     """
 
     def __init__(self, cfg: FTConfig, group_rank: int, group_world_size: int) -> None:
@@ -178,13 +179,21 @@ class FaultTolerance:
         return self.manager.num_participants()
 
     def sync_gradients_hook(
-        self, model_parts: list[nn.Module], moe_layers: list[nn.Module] = ()
+        self,
+        model_parts: list[nn.Module],
+        moe_layers: list[nn.Module] = (),
+        step_tokens: Callable[[], float] | None = None,
     ) -> Callable[[], None]:
         """``hook()`` run after backward: average every local gradient shard over the groups
         in the quorum (bucketed, through torchft's fault-tolerant process group), and sum the
         MoE layers' routed-token counts over them, so that every group moves its
         load-balancing biases by the whole quorum's routing (as one HSDP job does). Both
-        happen before the commit vote: a group lost here fails the vote, not the update."""
+        happen before the commit vote: a group lost here fails the vote, not the update.
+
+        ``step_tokens()`` is this group's count of valid labels in the step (its gradients are
+        per-token means over them). Groups with different counts (ignored labels) are weighted
+        by them, so the result is the per-token mean over the whole quorum's tokens, as one HSDP
+        job computes it; with equal counts the weights are exactly 1 and nothing is scaled."""
         from torch.distributed import ReduceOp
 
         params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
@@ -196,9 +205,12 @@ class FaultTolerance:
                 self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
                 for layer, summed in zip(moe_layers, counts):
                     layer.tokens_per_expert.copy_(summed)
+            self.token_weight = 1.0 if step_tokens is None else self._token_weight(step_tokens())
             grads = [to_local(p.grad) for p in params if p.grad is not None]
             for bucket in _buckets(grads):
                 flat = torch.cat([g.reshape(-1) for g in bucket])
+                if self.token_weight != 1.0:
+                    flat.mul_(self.token_weight)
                 self.manager.allreduce(flat).wait()
                 offset = 0
                 for g in bucket:
@@ -207,11 +219,25 @@ class FaultTolerance:
 
         return hook
 
+    token_weight: float = 1.0
+    """This group's share of the step's tokens relative to the quorum's mean group (set by the
+    gradient hook; 1.0 when every group has as many valid labels)."""
+
+    def _token_weight(self, tokens: float) -> float:
+        mean = torch.tensor([tokens], dtype=torch.float64)
+        self.manager.allreduce(mean).wait()  # over the groups in the quorum
+        return 1.0 if mean[0] <= 0 or tokens == mean[0] else tokens / float(mean[0])
+
     def average(self, value: float) -> float:
-        """Mean of a per-group scalar (the logged loss) over the groups in the quorum."""
+        """Mean of a per-group scalar over the groups in the quorum."""
         t = torch.tensor([value], dtype=torch.float64)
         self.manager.allreduce(t).wait()
         return float(t[0])
+
+    def average_loss(self, loss: float) -> float:
+        """The quorum's per-token mean loss from this group's: weighted by the groups' token
+        counts, as the gradients are (a plain mean when the counts are equal)."""
+        return self.average(loss * self.token_weight)
 
     def figures(self, model_parts: list[nn.Module]) -> dict[str, float]:
         """Logged with each step: the groups in the quorum, and a checksum of the weights and
