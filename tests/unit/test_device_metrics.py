@@ -15,6 +15,26 @@ def test_peak_flops_table():
     assert lookup_peak_tflops("Some Future GPU", "float32") is None
 
 
+def test_float32_peak_follows_torchs_matmul_precision(monkeypatch):
+    """An H200's float32 MFU is against 67 TFLOP/s unless TF32 is allowed (494.7): one H200 run
+    at 51 TFLOP/s in float32 would otherwise have read 10% MFU instead of 77%."""
+    import torch
+
+    from torchtitan.tools import device
+
+    monkeypatch.setattr(device, "device_name", lambda: "NVIDIA H200")
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert device.get_peak_flops("float32") == 67.0e12
+        assert device.get_peak_flops("bfloat16") == 989.5e12
+        torch.set_float32_matmul_precision("high")
+        assert device.get_peak_flops("float32") == 494.7e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert lookup_peak_tflops("NVIDIA B200", "float32") is None  # not guessed
+
+
 def test_console_line_shape(caplog, dump_folder):
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.tools.logging import init_logger, logger
@@ -117,4 +137,5 @@ def test_mfu_peak_follows_the_dtype_the_model_computes_in(degrees, dtype, mp, ex
     assert compute_dtype(cfg.training, dims) == expected
     monkeypatch.setattr(device_tools, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     metrics = MetricsProcessor(cfg, rank=0, compute_dtype=compute_dtype(cfg.training, dims))
-    assert metrics.peak_flops == {"float32": 494.7e12, "bfloat16": 989.5e12}[expected]
+    # float32: torch's default matmul precision ("highest") runs no TF32
+    assert metrics.peak_flops == {"float32": 67.0e12, "bfloat16": 989.5e12}[expected]

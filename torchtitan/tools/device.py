@@ -11,24 +11,35 @@ import torch
 device_type = "cuda" if torch.cuda.is_available() else "cpu"
 device_module = torch.cuda if device_type == "cuda" else None
 
-# Dense (no sparsity) peak TFLOP/s per device, by compute dtype. Sources: vendor datasheets.
-# A device not listed reports MFU as unavailable rather than guessing.
+# Dense (no sparsity) peak TFLOP/s per device, by the precision matmuls run in: bfloat16,
+# tf32 (float32 matmuls on TF32 tensor cores) and float32 (full precision: no TF32; AMD's fp32
+# matrix cores). Sources: vendor datasheets. A device or precision not listed reports MFU as
+# unavailable rather than guessing.
 _PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100 SXM": {"bfloat16": 989.5, "float32": 494.7},  # fp32 column: TF32 tensor cores
-    "H100 NVL": {"bfloat16": 835.0, "float32": 417.5},
-    "H100 PCIe": {"bfloat16": 756.0, "float32": 378.0},
-    "H200": {"bfloat16": 989.5, "float32": 494.7},
-    "H20": {"bfloat16": 148.0, "float32": 74.0},
-    "GH200": {"bfloat16": 989.5, "float32": 494.7},
-    "B200": {"bfloat16": 2250.0, "float32": 1125.0},
-    "A100": {"bfloat16": 312.0, "float32": 156.0},
-    "A10G": {"bfloat16": 70.0, "float32": 35.0},
-    "L40S": {"bfloat16": 362.0, "float32": 183.0},
-    "L4": {"bfloat16": 121.0, "float32": 60.0},
-    "MI300X": {"bfloat16": 1307.4, "float32": 653.7},
-    "MI325X": {"bfloat16": 1307.4, "float32": 653.7},
+    "H100 SXM": {"bfloat16": 989.5, "tf32": 494.7, "float32": 67.0},
+    "H100 NVL": {"bfloat16": 835.0, "tf32": 417.5, "float32": 60.0},
+    "H100 PCIe": {"bfloat16": 756.0, "tf32": 378.0, "float32": 51.0},
+    "H200": {"bfloat16": 989.5, "tf32": 494.7, "float32": 67.0},
+    "H20": {"bfloat16": 148.0, "tf32": 74.0, "float32": 44.0},
+    "GH200": {"bfloat16": 989.5, "tf32": 494.7, "float32": 67.0},
+    "B200": {"bfloat16": 2250.0, "tf32": 1125.0},
+    "A100": {"bfloat16": 312.0, "tf32": 156.0, "float32": 19.5},
+    "A10G": {"bfloat16": 70.0, "tf32": 35.0},
+    "L40S": {"bfloat16": 362.0, "tf32": 183.0, "float32": 91.6},
+    "L4": {"bfloat16": 121.0, "tf32": 60.0, "float32": 30.3},
+    "MI300X": {"bfloat16": 1307.4, "tf32": 653.7, "float32": 163.4},
+    "MI325X": {"bfloat16": 1307.4, "tf32": 653.7, "float32": 163.4},
     "MI250X": {"bfloat16": 383.0, "float32": 95.7},
 }
+
+
+def matmul_precision(dtype: str) -> str:
+    """The peak-table column for matmuls in ``dtype``: float32 matmuls use TF32 tensor cores
+    only when torch allows it (``torch.set_float32_matmul_precision("high")``; torch's
+    default, "highest", runs them in full float32, at a small fraction of the TF32 peak)."""
+    if dtype == "float32" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return dtype
 
 
 def device_name() -> str:
@@ -39,7 +50,8 @@ def device_name() -> str:
 
 
 def lookup_peak_tflops(name: str, dtype: str) -> float | None:
-    """Peak dense TFLOP/s of device ``name`` for ``dtype``; None when unknown."""
+    """Peak dense TFLOP/s of device ``name`` for ``dtype`` (a column of the table: bfloat16,
+    tf32, float32); None when unknown."""
     if "H100" in name:
         key = "H100 NVL" if "NVL" in name else "H100 PCIe" if "PCIe" in name else "H100 SXM"
     else:
@@ -50,8 +62,9 @@ def lookup_peak_tflops(name: str, dtype: str) -> float | None:
 
 
 def get_peak_flops(dtype: str) -> float | None:
-    """Peak FLOP/s of this process's device for ``dtype``, or None when not in the table."""
-    tflops = lookup_peak_tflops(device_name(), dtype)
+    """Peak FLOP/s of this process's device for matmuls in ``dtype`` (float32: TF32 or full
+    precision, as torch runs them now), or None when not in the table."""
+    tflops = lookup_peak_tflops(device_name(), matmul_precision(dtype))
     return None if tflops is None else tflops * 1e12
 
 
