@@ -29,7 +29,7 @@ _PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "L4": {"bfloat16": 121.0, "tf32": 60.0, "float32": 30.3},
     "MI300X": {"bfloat16": 1307.4, "tf32": 653.7, "float32": 163.4},
     "MI325X": {"bfloat16": 1307.4, "tf32": 653.7, "float32": 163.4},
-    "MI250X": {"bfloat16": 383.0, "float32": 95.7},
+    "MI250X": {"bfloat16": 383.0, "tf32": 95.7, "float32": 95.7},  # no TF32: fp32 matrix cores
 }
 
 
