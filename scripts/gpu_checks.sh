@@ -8,7 +8,8 @@
 # MoE compiled, float8 Linear + float8 grouped GEMM experts), cuda_tests (the tests that need
 # CUDA), dsv3_flex (DeepSeek-V3 debug, FlexAttention documents, compiled), launcher_tests
 # (run_train.sh's failure paths on this torch's torchrun, CPU ranks), fast_tests (the fast test
-# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines); not by default:
+# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines), nccl (with 2+ GPUs:
+# FSDP x TP, async TP, PP, CP and EP over every GPU, 10 steps each); not by default:
 # slow_tests (the multi-rank gloo tests of tests/distributed on that torch). Each has its own time
 # limit; OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail
 # of each check's log) and logs.tgz (the whole logs); dump folders stay in
@@ -52,8 +53,21 @@ run() {  # run NAME CONFIG EXTRA_FLAGS...: ./run_train.sh on one GPU
         --training.mixed_precision_param bfloat16 "$@"
 }
 
+multi() {  # multi NAME CONFIG EXTRA_FLAGS...: ./run_train.sh on every GPU (NCCL); 2+ GPUs
+    local name=$1 config=$2 n
+    shift 2
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if (( n < 2 )); then
+        echo "$name: skipped (needs 2+ GPUs, $n here)" | tee -a "$out/summary.txt"
+        return
+    fi
+    check "$name" "${RUN_LIMIT:-180}" env NGPU="$n" CONFIG_FILE="$config" ./run_train.sh \
+        --job.dump_folder "$tmp/$name" --metrics.disable_color_printing \
+        --training.mixed_precision_param bfloat16 --training.steps 10 "$@"
+}
+
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests fast_tests)
+[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests fast_tests nccl)
 nvidia-smi -L >>"$out/summary.txt" 2>&1
 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     >>"$out/summary.txt" 2>&1
@@ -77,6 +91,15 @@ for c in "${checks[@]}"; do
             tests/unit tests/distributed ;;
         slow_tests) check slow_tests 480 env CUDA_VISIBLE_DEVICES= "$py" -m pytest -q -rf \
             -p no:cacheprovider tests/distributed ;;  # not in the default list: ~5 min
+        nccl)  # every parallelism over NCCL: FSDP x TP, async TP, PP, CP, EP
+            multi nccl_fsdp_tp ./train_configs/debug_model.toml --parallelism.tensor_parallel_degree 2
+            multi nccl_async_tp ./train_configs/debug_model.toml --parallelism.tensor_parallel_degree 2 \
+                --parallelism.enable_async_tensor_parallel --compile.enable
+            multi nccl_pp ./train_configs/debug_model.toml --parallelism.pipeline_parallel_degree 2 \
+                --parallelism.pipeline_parallel_schedule 1F1B
+            multi nccl_cp ./train_configs/debug_model.toml --parallelism.context_parallel_degree 2
+            multi nccl_ep ./train_configs/qwen3_debugmodel_moe.toml \
+                --parallelism.expert_parallel_degree 2 ;;
         *) echo "unknown check $c" >>"$out/summary.txt" ;;
     esac
 done
