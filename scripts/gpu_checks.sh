@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 7 minutes:
+# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 8 minutes on one GPU:
 #
 #   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check below but slow_tests
 #
-# Checks: debug (run_train.sh, MFU line, CUDA memory snapshot), f8_bf16 / f8_float8
-# (scripts/benchmark.py on 8B-shaped layers, compiled, bf16 vs float8 tensorwise), moe_f8 (Qwen3
-# MoE compiled, float8 Linear + float8 grouped GEMM experts), cuda_tests (the tests that need
-# CUDA), dsv3_flex (DeepSeek-V3 debug, FlexAttention documents, compiled), launcher_tests
-# (run_train.sh's failure paths on this torch's torchrun, CPU ranks), fast_tests (the fast test
-# loop on this machine's torch, on the CPU; torch 2.11 on GPU machines), nccl (with 2+ GPUs:
-# FSDP x TP, async TP, PP, CP and EP over every GPU, 10 steps each); not by default:
-# slow_tests (the multi-rank gloo tests of tests/distributed on that torch). Each has its own time
-# limit; OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail
-# of each check's log) and logs.tgz (the whole logs); dump folders stay in
+# Checks (each with its own time limit):
+#   debug           run_train.sh on the debug config: MFU line, CUDA memory snapshots
+#   f8_bf16, f8_float8, f8_rowwise
+#                   scripts/benchmark.py on 8B-shaped layers (benchmark_flavors), compiled:
+#                   bf16 vs float8 tensorwise and rowwise
+#   moe_f8          Qwen3 MoE compiled: float8 Linear layers + float8 grouped GEMM experts
+#   cuda_tests      the tests that need CUDA
+#   dsv3_flex       DeepSeek-V3 debug, FlexAttention with document masks, compiled
+#   launcher_tests  run_train.sh's failure paths on this machine's torchrun (CPU ranks)
+#   fast_tests      the fast test loop on this machine's torch (CPU; torch 2.11 on GPU machines)
+#   nccl            with 2+ GPUs: FSDP x TP, async TP, PP, CP, EP and FSDP's float8 all-gather
+#                   over every GPU, 10 steps each (skipped on one GPU)
+#   slow_tests      (not by default, ~5 min) tests/distributed's gloo ranks on this torch
+# OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail of
+# each check's log) and logs.tgz (the whole logs); dump folders stay in
 # ${GPU_CHECKS_TMP:-/tmp/gpu_checks}.
 set -u
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [CHECK ...]}
@@ -67,7 +72,7 @@ multi() {  # multi NAME CONFIG EXTRA_FLAGS...: ./run_train.sh on every GPU (NCCL
 }
 
 checks=("$@")
-[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 moe_f8 cuda_tests dsv3_flex launcher_tests fast_tests nccl)
+[[ ${#checks[@]} -gt 0 ]] || checks=(debug f8_bf16 f8_float8 f8_rowwise moe_f8 cuda_tests dsv3_flex launcher_tests fast_tests nccl)
 nvidia-smi -L >>"$out/summary.txt" 2>&1
 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
     >>"$out/summary.txt" 2>&1
@@ -79,6 +84,7 @@ for c in "${checks[@]}"; do
             --profiling.enable_memory_snapshot && ls -R "$tmp/debug" >>"$out/checks.log" ;;
         f8_bf16) bench f8_bf16 ;;
         f8_float8) bench f8_float8 --model.converters float8 ;;
+        f8_rowwise) bench f8_rowwise --model.converters float8 --float8.recipe_name rowwise ;;
         moe_f8) run moe_f8 ./train_configs/qwen3_debugmodel_moe.toml --training.steps 10 \
             --compile.enable --model.converters float8 --float8.recipe_name rowwise \
             --float8.moe_fqns_prototype experts ;;
@@ -99,7 +105,10 @@ for c in "${checks[@]}"; do
                 --parallelism.pipeline_parallel_schedule 1F1B
             multi nccl_cp ./train_configs/debug_model.toml --parallelism.context_parallel_degree 2
             multi nccl_ep ./train_configs/qwen3_debugmodel_moe.toml \
-                --parallelism.expert_parallel_degree 2 ;;
+                --parallelism.expert_parallel_degree 2
+            multi nccl_f8_fsdp ./train_configs/debug_model.toml --model.converters float8 \
+                --float8.enable_fsdp_float8_all_gather \
+                --float8.precompute_float8_dynamic_scale_for_fsdp --compile.enable ;;
         *) echo "unknown check $c" >>"$out/summary.txt" ;;
     esac
 done
