@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks CI's CPU machine cannot run, on one CUDA GPU (and its torch), in about 8 minutes on one GPU:
+# The checks CI's CPU machine cannot run, on CUDA GPUs (and their torch); about 8 minutes on one:
 #
 #   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check below but slow_tests
 #
