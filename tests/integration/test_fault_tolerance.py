@@ -315,6 +315,29 @@ def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_
             assert g[step]["moe/max_load"] == reference[step]["moe/max_load"], step
 
 
+def test_groups_with_expert_parallel_inside_equal_hsdp_with_ep(tmp_path, cpu_env, lighthouse,
+                                                              moe_seed):
+    """Each 2-rank group spreads the experts over its ranks (EP2): the groups average their
+    local expert shards rank by rank and take the steps of one HSDP 2x2 job with EP2."""
+    ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+          "2"]
+    log = tmp_path / "hsdp.log"
+    hsdp = _start(_env(cpu_env, 4), log, *MOE, *ep, "--job.dump_folder", str(tmp_path / "hsdp"),
+                  "--training.steps", "3", "--parallelism.data_parallel_replicate_degree", "2",
+                  "--checkpoint.enable", "--checkpoint.load_only",
+                  "--checkpoint.initial_load_path", str(moe_seed))
+    _wait(hsdp, log)
+    reference = _metrics(tmp_path / "hsdp")
+    groups = _run_groups(tmp_path, _env(cpu_env, 2, lighthouse), 3, moe_seed, *MOE, *ep,
+                         "--checkpoint.load_only")
+    for step in (1, 2, 3):
+        for g in groups:
+            assert abs(g[step]["loss"] - reference[step]["loss"]) < LOSS_TOL, (step, g, reference)
+            assert abs(g[step]["grad_norm"] - reference[step]["grad_norm"]) < GRAD_NORM_TOL
+            assert g[step]["moe/max_load"] == reference[step]["moe/max_load"], step
+        assert groups[0][step]["ft/param_checksum"] == groups[1][step]["ft/param_checksum"]
+
+
 def test_semi_sync_moe_groups_route_alike_after_each_sync(tmp_path, cpu_env, lighthouse, moe_seed):
     """Between syncs each group moves its MoE load-balancing biases by its own routing; a DiLoCo
     sync reconciles them with the weights (the checksum counts both), so the groups are equal
