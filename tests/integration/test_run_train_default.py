@@ -16,8 +16,8 @@ def test_default_run_trains_debug_model(dump_folder, cpu_env):
     """Plain ./run_train.sh (the debug config's model, data and schedule), cut to 10 of its
     steps: 2 s each on 2 cores, and the loss has fallen by 2 by then."""
     proc = subprocess.run(
-        ["./run_train.sh", "--job.dump_folder", str(dump_folder), "--metrics.disable_color_printing",
-         "--training.steps", "10"],
+        ["./run_train.sh", "--job.dump_folder", str(dump_folder),
+         "--metrics.disable_color_printing", "--training.steps", "10"],
         cwd=REPO_ROOT, env=cpu_env, capture_output=True, text=True, timeout=900,
     )
     out = proc.stdout + proc.stderr
