@@ -33,12 +33,25 @@ def test_single_device_has_no_parallelism():
                                             r"are borrowed from the ranks with different tokens\): "
                                             r"2, 4 fit here$"),
         # the TP ranks split the MoE tokens (etp 1): ep takes all of them, and more; expert TP
-        # would not fit either (8 does not divide dp_shard 2), so it is not suggested
+        # would not fit either (8 does not divide dp_shard 2), so it is not suggested; sharding
+        # the replicas' ranks too would
         (8, dict(expert_parallel_degree=8, tensor_parallel_degree=2, data_parallel_shard_degree=2,
                  data_parallel_replicate_degree=2),
          r"^parallelism.expert_parallel_degree=8 must be a multiple of tensor_parallel_degree=2 "
          r"that divides 2 x data_parallel_shard_degree=2 \(with expert_tensor_parallel_degree=1 "
-         r"the TP ranks split the MoE tokens and join one ep group\): 2, 4 fit here$"),
+         r"the TP ranks split the MoE tokens and join one ep group\): 2, 4 fit here; or shard "
+         r"instead of replicate \(expert-parallel ranks never span replicas\): "
+         r"data_parallel_replicate_degree=1, data_parallel_shard_degree=4$"),
+        # nothing to borrow from: 2 replicas of one rank
+        (2, dict(expert_parallel_degree=2, data_parallel_replicate_degree=2),
+         r"^parallelism.expert_parallel_degree=2 must divide data_parallel_shard_degree=1 .*: no "
+         r"degree fits here; or shard instead of replicate \(expert-parallel ranks never span "
+         r"replicas\): data_parallel_replicate_degree=1, data_parallel_shard_degree=2$"),
+        (3, dict(expert_parallel_degree=2, data_parallel_shard_degree=3),
+         r"data_parallel_shard_degree=3 .*: 3 fit here$"),
+        (1, dict(expert_parallel_degree=2),
+         r"must divide data_parallel_shard_degree=1 .*: no degree fits here; or set it to 1 \(no "
+         r"expert parallelism\)$"),
         # expert TP on: etp 1 would fit, and the line says so
         (2, dict(expert_parallel_degree=2, tensor_parallel_degree=2,
                  expert_tensor_parallel_degree=2),

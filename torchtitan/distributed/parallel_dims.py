@@ -141,6 +141,15 @@ class ParallelDims:
                      + " or ".join(map(str, others)) + " (" + "; ".join(
                          _etp_meaning(e, self.tp) for e in others) + ")")
         groups = self.tp // self.etp
+        shard_all = self.dp_replicate * self.dp_shard  # replicas hold whole copies: ep never spans them
+        if self.dp_replicate > 1 and self.ep in [
+            groups * d for d in _divisors(shard_all * self.cp) if groups * d > 1
+        ]:
+            other += (f"; or shard instead of replicate (expert-parallel ranks never span "
+                      f"replicas): data_parallel_replicate_degree=1, "
+                      f"data_parallel_shard_degree={shard_all}")
+        elif not fits and not others:
+            other += "; or set it to 1 (no expert parallelism)"
         if groups == 1:
             raise ParallelismError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide {what} "
