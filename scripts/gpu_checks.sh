@@ -3,6 +3,9 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [CHECK ...]     # default: every check below but slow_tests
 #
+# Needs the project's dependencies next to the machine's CUDA torch (pip install -e ".[dev]",
+# or their wheels on PYTHONPATH); runs from any directory.
+#
 # Checks (each with its own time limit):
 #   debug           run_train.sh on the debug config: MFU line, CUDA memory snapshots
 #   f8_bf16, f8_float8, f8_rowwise
