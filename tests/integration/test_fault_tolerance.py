@@ -297,38 +297,22 @@ def test_moe_groups_equal_ddp_with_load_balancing_over_all_groups(tmp_path, cpu_
     """MoE (load-balancing bias on): two 1-rank groups take the steps of one 2-rank DDP job.
     The bias moves by the routed-token counts of every group (one group's own counts move it
     differently: the loss is off by 2e-4 from step 2)."""
-    seed_dir = moe_seed
-    log = tmp_path / "ddp.log"
-    ddp = _start(_env(cpu_env, 2), log, *MOE, "--job.dump_folder", str(tmp_path / "ddp"),
-                 "--training.steps", "3",
-                 "--parallelism.data_parallel_replicate_degree", "2",
-                 "--checkpoint.enable", "--checkpoint.load_only",
-                 "--checkpoint.initial_load_path", str(seed_dir))
-    _wait(ddp, log)
-    reference = _metrics(tmp_path / "ddp")
-    groups = _run_groups(tmp_path, _env(cpu_env, 1, lighthouse), 3, seed_dir, *MOE,
-                         "--checkpoint.load_only")
-    for step in (1, 2, 3):
-        for g in groups:
-            assert abs(g[step]["loss"] - reference[step]["loss"]) < LOSS_TOL, (step, g, reference)
-            assert abs(g[step]["grad_norm"] - reference[step]["grad_norm"]) < GRAD_NORM_TOL
-            assert g[step]["moe/max_load"] == reference[step]["moe/max_load"], step
+    _moe_groups_take_the_reference_steps(tmp_path, cpu_env, lighthouse, moe_seed, ranks=1)
 
 
-def test_groups_with_expert_parallel_inside_equal_hsdp_with_ep(tmp_path, cpu_env, lighthouse,
-                                                              moe_seed):
-    """Each 2-rank group spreads the experts over its ranks (EP2): the groups average their
-    local expert shards rank by rank and take the steps of one HSDP 2x2 job with EP2."""
-    ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
-          "2"]
-    log = tmp_path / "hsdp.log"
-    hsdp = _start(_env(cpu_env, 4), log, *MOE, *ep, "--job.dump_folder", str(tmp_path / "hsdp"),
-                  "--training.steps", "3", "--parallelism.data_parallel_replicate_degree", "2",
-                  "--checkpoint.enable", "--checkpoint.load_only",
-                  "--checkpoint.initial_load_path", str(moe_seed))
-    _wait(hsdp, log)
-    reference = _metrics(tmp_path / "hsdp")
-    groups = _run_groups(tmp_path, _env(cpu_env, 2, lighthouse), 3, moe_seed, *MOE, *ep,
+def _moe_groups_take_the_reference_steps(tmp_path, cpu_env, lighthouse, seed, ranks, *flags):
+    """Two MoE groups of ``ranks`` ranks vs one job of 2 x ``ranks`` ranks with
+    dp_replicate 2 (same ``flags``), 3 steps: losses, grad norms, max_load, checksums."""
+    log = tmp_path / "reference.log"
+    reference_run = _start(
+        _env(cpu_env, 2 * ranks), log, *MOE, *flags, "--job.dump_folder",
+        str(tmp_path / "reference"), "--training.steps", "3",
+        "--parallelism.data_parallel_replicate_degree", "2", "--checkpoint.enable",
+        "--checkpoint.load_only", "--checkpoint.initial_load_path", str(seed),
+    )
+    _wait(reference_run, log)
+    reference = _metrics(tmp_path / "reference")
+    groups = _run_groups(tmp_path, _env(cpu_env, ranks, lighthouse), 3, seed, *MOE, *flags,
                          "--checkpoint.load_only")
     for step in (1, 2, 3):
         for g in groups:
@@ -336,6 +320,16 @@ def test_groups_with_expert_parallel_inside_equal_hsdp_with_ep(tmp_path, cpu_env
             assert abs(g[step]["grad_norm"] - reference[step]["grad_norm"]) < GRAD_NORM_TOL
             assert g[step]["moe/max_load"] == reference[step]["moe/max_load"], step
         assert groups[0][step]["ft/param_checksum"] == groups[1][step]["ft/param_checksum"]
+
+
+def test_groups_with_expert_parallel_inside_equal_hsdp_with_ep(tmp_path, cpu_env, lighthouse,
+                                                              moe_seed):
+    """Each 2-rank group spreads the experts over its ranks (EP2): the groups average their
+    local expert shards rank by rank and take the steps of one HSDP 2x2 job with EP2."""
+    _moe_groups_take_the_reference_steps(
+        tmp_path, cpu_env, lighthouse, moe_seed, 2, "--parallelism.expert_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "2",
+    )
 
 
 def test_semi_sync_moe_groups_route_alike_after_each_sync(tmp_path, cpu_env, lighthouse, moe_seed):
