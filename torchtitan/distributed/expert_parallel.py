@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import all_reduce_sum, sum_gradient_over_tp
 from torchtitan.tools.logging import logger
 
 
@@ -157,16 +158,11 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return _all_reduce_sum(x.contiguous(), group_name)
+        return all_reduce_sum(x.contiguous(), group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    ops = torch.ops._c10d_functional
-    return ops.wait_tensor(ops.all_reduce(t, "sum", group_name))
 
 
 class ExpertTensorParallel:
@@ -182,8 +178,6 @@ class ExpertTensorParallel:
         self.group_name = etp_mesh.get_group().group_name
 
     def enter(self, module: nn.Module, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        from torchtitan.distributed.tensor_parallel import sum_gradient_over_tp
-
         tokens, counts = args
         return sum_gradient_over_tp(tokens, self.etp_mesh), counts
 
@@ -348,7 +342,7 @@ class _SumOverSequenceShards(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group_names: tuple[str, ...], grad_scale: float):
         ctx.grad_scale = grad_scale
         for name in group_names:
-            x = _all_reduce_sum(x.contiguous(), name)
+            x = all_reduce_sum(x.contiguous(), name)
         return x
 
     @staticmethod

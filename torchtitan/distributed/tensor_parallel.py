@@ -29,6 +29,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torchtitan.tools.logging import logger
 
 
+def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum of ``t`` over the process group ``group_name`` (functional collective: no DTensor,
+    so the size of ``t`` may differ between groups of other mesh coordinates)."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(t, "sum", group_name))
+
+
 class _CopyToTensorParallel(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the group (a functional all-reduce,
     not DTensor: under ``COMM_MODE=local_tensor`` a tensor whose size differs between ranks,
@@ -41,9 +48,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ops = torch.ops._c10d_functional
-        summed = ops.wait_tensor(ops.all_reduce(grad.contiguous(), "sum", ctx.group_name))
-        return summed, None
+        return all_reduce_sum(grad.contiguous(), ctx.group_name), None
 
 
 def sum_gradient_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:

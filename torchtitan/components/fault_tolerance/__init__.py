@@ -68,6 +68,10 @@ class FaultTolerance:
     Semi-synchronous mode: see :meth:`wrap_optimizer_step`.
     """
 
+    token_weight: float = 1.0
+    """This group's share of the step's tokens relative to the quorum's mean group (set by the
+    gradient hook; 1.0 when every group has as many valid labels)."""
+
     def __init__(self, cfg: FTConfig, group_rank: int, group_world_size: int) -> None:
         torchft = _import_torchft()
         from torchft.manager import Manager
@@ -218,10 +222,6 @@ class FaultTolerance:
                     offset += g.numel()
 
         return hook
-
-    token_weight: float = 1.0
-    """This group's share of the step's tokens relative to the quorum's mean group (set by the
-    gradient hook; 1.0 when every group has as many valid labels)."""
 
     def _token_weight(self, tokens: float) -> float:
         mean = torch.tensor([tokens], dtype=torch.float64)
