@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from torchtitan.config.job_config import ActivationCheckpoint
 from torchtitan.distributed.activation_checkpoint import (
@@ -189,6 +189,21 @@ def test_op_policy_saves_every_other_mm_and_attention():
     # forced-recompute shapes neither save nor advance the every-other counter
     assert decide(aten.mm.default, None, w, shapes={(64, 128)}) == recompute
     assert decide(aten.mm.default, None, w) == must
+
+
+def test_op_policy_repeats_forward_choices_when_called_in_recompute():
+    """torch <= 2.12 calls the policy again in the recompute (ctx.is_recompute=True): the
+    recompute must make the forward's choices, whatever count the forward ended on."""
+    counts = defaultdict(int)
+    save_list = default_op_sac_save_list()
+    w = torch.empty(64, 128)
+
+    def decide(is_recompute):
+        ctx = SelectiveCheckpointContext(is_recompute=is_recompute)
+        return _op_sac_policy(save_list, set(), counts, ctx, aten.mm.default, None, w)
+
+    forward = [decide(False) for _ in range(3)]  # an odd count: a shared counter flips
+    assert [decide(True) for _ in range(3)] == forward
 
 
 def test_force_recompute_fqns_must_name_linears():

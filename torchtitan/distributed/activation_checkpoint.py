@@ -61,7 +61,10 @@ def sac_ignore_profiler_ranges() -> None:
     from torch.utils import checkpoint
 
     profiler = torch.ops.profiler
-    checkpoint.SAC_IGNORED_OPS.update(
+    ignored = getattr(checkpoint, "SAC_IGNORED_OPS", None)
+    if ignored is None:  # older torch names the set _ignored_ops
+        ignored = checkpoint._ignored_ops
+    ignored.update(
         {profiler._record_function_enter_new.default, profiler._record_function_exit._RecordFunction}
     )
 
@@ -126,14 +129,17 @@ def _op_sac_policy(
     *args,
     **kwargs,
 ) -> CheckpointPolicy:
-    # torch >= 2.13 calls the policy only in forward (recompute replays the decisions), so one
-    # counter per block forward suffices; `counts` is fresh for every forward (context_fn).
+    # `counts` is fresh for every block forward (context_fn). torch >= 2.13 calls the policy
+    # only in forward and replays its decisions in the recompute; older torch (2.11) calls it
+    # again in the recompute with ctx.is_recompute, which must count from 0 again to repeat
+    # the forward's choices (a shared counter would flip them).
     if func == aten.mm.default:
         if len(args) > 1 and tuple(args[1].shape) in recompute_mm_shapes:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        counts["mm"] += 1
+        key = "recompute mm" if getattr(ctx, "is_recompute", False) else "mm"
+        counts[key] += 1
         # keep the 1st, 3rd, ... matmul of the block, recompute the others
-        save = counts["mm"] % 2 == 1
+        save = counts[key] % 2 == 1
     else:
         save = func in save_list
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
