@@ -48,7 +48,7 @@ def test_single_device_has_no_parallelism():
          r"degree fits here; or shard instead of replicate \(expert-parallel ranks never span "
          r"replicas\): data_parallel_replicate_degree=1, data_parallel_shard_degree=2$"),
         (3, dict(expert_parallel_degree=2, data_parallel_shard_degree=3),
-         r"data_parallel_shard_degree=3 .*: 3 fit here$"),
+         r"data_parallel_shard_degree=3 .*: only 3 fits here$"),
         (1, dict(expert_parallel_degree=2),
          r"must divide data_parallel_shard_degree=1 .*: no degree fits here; or set it to 1 \(no "
          r"expert parallelism\)$"),
@@ -64,7 +64,7 @@ def test_single_device_has_no_parallelism():
          r"^parallelism.expert_parallel_degree=4 must be a multiple of tensor_parallel_degree/"
          r"expert_tensor_parallel_degree = 4/2 = 2 that divides 2 x data_parallel_shard_degree=1 "
          r"\(with expert_tensor_parallel_degree=2 the TP ranks split the MoE tokens 2 ways and the "
-         r"2 groups join one ep group\): 2 fit here; or set expert_tensor_parallel_degree=1 \(the "
+         r"2 groups join one ep group\): only 2 fits here; or set expert_tensor_parallel_degree=1 \(the "
          r"TP ranks split the MoE tokens\)$"),
         (4, dict(tensor_parallel_degree=4, expert_tensor_parallel_degree=3),
          r"^parallelism.expert_tensor_parallel_degree=3 must divide "

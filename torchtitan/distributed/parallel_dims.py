@@ -133,7 +133,8 @@ class ParallelDims:
             f"data_parallel_shard_degree*context_parallel_degree = {self.dp_shard}*{self.cp} "
             f"= {shard_cp}"
         )
-        listed = (", ".join(map(str, fits)) + " fit") if fits else "no degree fits"
+        listed = (", ".join(map(str, fits)) + " fit" if len(fits) > 1 else
+                  f"only {fits[0]} fits" if fits else "no degree fits")
         others = [e for e in _divisors(self.tp) if e != self.etp and self.ep in self._ep_fits(e)]
         other = ""
         if others:
