@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (debugmodel) under FSDP2, TP2, PP2 and CP2 on two gloo ranks equals one device.
+"""DeepSeek-V3 (debugmodel) under FSDP2, TP2, PP2, CP2 and EP2 on two gloo ranks equals one device.
 
 Same method as test_trainer_data_parallel.py (tests/distributed/trainer_runs.py): one seed
 checkpoint, fixed global batches, per-step loss and grad norm compared. FSDP2 shards every
@@ -6,11 +6,12 @@ parameter (experts included); TP2 covers the MLA plan (``wq_b``/``wkv_b`` column
 row-wise, the latent ``wq_a``/``wkv_a`` and their norms replicated with whole gradients on
 each rank), the dense FFN split and MoE layers run whole on every TP rank; PP2 splits the
 blocks with the Llama pipeline helpers (1F1B); CP2 shards the sequence and the RoPE table
-(ring attention over v zero-padded to the q/k head dim). The MoE
+(ring attention over v zero-padded to the q/k head dim); EP2 puts 4 of the 8 routed experts on
+each rank (group-limited routing picks experts on both; the shared experts stay FSDP). The MoE
 load-balancing bias is updated every step, so later steps' routing depends on it matching.
 
 Measured (worst step and rank): loss 1.3e-6 absolute for FSDP2, 1.9e-6 TP2, 9.5e-7 PP2,
-1.0e-6 CP2; grad norms
+1.0e-6 CP2, 1.1e-6 EP2 (expert gradients divided by 1.5x too much: 2e-3); grad norms
 5.7e-5 relative (the CPU fp32 norm kernel, see test_qwen3_parallel.py), hence rtol 1e-4 there.
 The loss alone is a weak check of TP (AdamW hides gradient scale errors; a rope key whose
 gradient was not summed over the TP ranks moved the loss by only 1.5e-4 at step 3), so
@@ -39,6 +40,9 @@ LAYOUTS = {
             "--parallelism.pipeline_parallel_schedule", "1F1B"],
     "cp2": ["--parallelism.data_parallel_shard_degree", "1",
             "--parallelism.context_parallel_degree", "2"],
+    # routed experts split over the 2 ranks (shared experts and MLA stay FSDP-sharded)
+    "ep2": ["--parallelism.data_parallel_shard_degree", "2",
+            "--parallelism.expert_parallel_degree", "2"],
 }
 
 
