@@ -11,7 +11,7 @@ each rank (group-limited routing picks experts on both; the shared experts stay 
 load-balancing bias is updated every step, so later steps' routing depends on it matching.
 
 Measured (worst step and rank): loss 1.3e-6 absolute for FSDP2, 1.9e-6 TP2, 9.5e-7 PP2,
-1.0e-6 CP2, 1.1e-6 EP2 (expert gradients divided by 1.5x too much: 2e-3); grad norms
+1.0e-6 CP2, 1.1e-6 EP2 (expert gradients scaled 1.5x wrong fail it); grad norms
 5.7e-5 relative (the CPU fp32 norm kernel, see test_qwen3_parallel.py), hence rtol 1e-4 there.
 The loss alone is a weak check of TP (AdamW hides gradient scale errors; a rope key whose
 gradient was not summed over the TP ranks moved the loss by only 1.5e-4 at step 3), so
