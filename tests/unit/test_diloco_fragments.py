@@ -134,12 +134,44 @@ DILOCO = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
          "fault_tolerance.num_fragments=3 disagrees with the 2 fragments of "
          "fault_tolerance.module_fqns_per_model_fragment; leave num_fragments at 1 or set it to "
          "the same count"),
+        ([*DILOCO[:-1], "local_sgd", "--fault_tolerance.should_quantize"],
+         "fault_tolerance.should_quantize quantizes DiLoCo's pseudo-gradients (torchft sends "
+         "gradients and local_sgd's weights at full precision); set "
+         "--fault_tolerance.semi_sync_method diloco, or drop should_quantize"),
+        ([*DILOCO, "--fault_tolerance.should_quantize"],
+         "fault_tolerance.should_quantize needs --fault_tolerance.process_group nccl (torchft's "
+         "quantized all-reduce runs on CUDA tensors), got 'gloo'"),
     ],
 )
 def test_bad_fragment_settings_are_one_line(flags, message):
     with pytest.raises(ConfigError) as info:
         validate(ConfigManager().parse_args(["--job.config_file", DEBUG, *flags]))
     assert str(info.value) == message
+
+
+def test_should_quantize_reaches_torchfts_pseudo_gradient_all_reduce():
+    """The flag is DiLoCo's: every fragment's pseudo-gradient all-reduce asks torchft for the
+    quantized path (torchft takes it when triton and CUDA are there)."""
+    from unittest import mock
+
+    from torchtitan.components.fault_tolerance.semi_sync import SemiSync
+
+    flags = [*DILOCO, "--fault_tolerance.process_group", "nccl", "--fault_tolerance.should_quantize",
+             "--fault_tolerance.num_fragments", "2", "--fault_tolerance.sync_steps", "2"]
+    cfg = ConfigManager().parse_args(["--job.config_file", DEBUG, *flags])
+    validate(cfg)
+    model = _model()
+    manager = mock.MagicMock(_use_async_quorum=False)
+    semi = SemiSync(manager, cfg.fault_tolerance, [model], lambda: None,
+                    fragment_units(2, [], UNITS4, 4))
+    try:
+        for fragment in semi.algorithm._fragments:
+            fragment.prepare_sync()
+    finally:
+        semi.close()
+    calls = manager.allreduce.call_args_list
+    assert len(calls) == len(list(model.parameters()))  # one per parameter, both fragments
+    assert all(call.kwargs.get("should_quantize") is True for call in calls)
 
 
 def test_fragments_hold_moe_routing_biases_as_aliases_of_the_buffers():

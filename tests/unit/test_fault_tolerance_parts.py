@@ -70,6 +70,24 @@ def test_settings_are_ignored_without_enable():
     validate(cfg_of("--fault_tolerance.replica_id", "5"))  # group_size 0, but FT is off
 
 
+def test_should_quantize_without_triton_is_one_line(monkeypatch):
+    """torchft would quietly send full precision without triton: the trainer says so instead."""
+    import torchft.manager
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torchft.manager, "IS_TRITON_AVAILABLE", False)
+    cfg = cfg_of(*FT, "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.process_group",
+                 "nccl", "--fault_tolerance.should_quantize", "--fault_tolerance.lighthouse",
+                 "http://localhost:1")
+    validate(cfg)
+    with pytest.raises(FaultToleranceError) as info:
+        FaultTolerance(cfg.fault_tolerance, 0, 1)
+    assert str(info.value) == (
+        "fault_tolerance.should_quantize needs triton (torchft's quantized all-reduce is a triton "
+        "kernel) and triton is not installed: pip install triton, or drop should_quantize"
+    )
+
+
 def test_groups_split_the_data_after_each_other():
     ft = cfg_of(*FT, "--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id", "1")
     ft = ft.fault_tolerance

@@ -228,12 +228,6 @@ RULES: tuple[Rule, ...] = (
     Rule("memory_estimation.enabled", "memory_estimation.enable"),
     Rule("validation.enabled", "validation.enable"),
     Rule("validation.batch_size", "validation.local_batch_size"),
-    # fault tolerance: upstream's quantized DiLoCo all-reduce needs triton (CUDA)
-    _dropped(
-        "fault_tolerance.should_quantize",
-        "quantized DiLoCo all-reduces are not supported in this build",
-        "bool",
-    ),
 )
 
 DEPRECATED: dict[str, str] = {

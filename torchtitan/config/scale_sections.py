@@ -301,3 +301,7 @@ class FaultTolerance:
 
     outer_momentum: float = 0.9
     """diloco: momentum of the outer optimizer."""
+
+    should_quantize: bool = False
+    """diloco: all-reduce the pseudo-gradients in float8 (torchft's quantized all-reduce, about a
+    quarter of the fp32 bytes between groups); needs CUDA, triton and process_group nccl."""

@@ -223,6 +223,17 @@ def _check_fault_tolerance(ft: Any) -> None:
             "fault_tolerance.semi_sync_method must be one of "
             f"{', '.join(SEMI_SYNC_METHODS)} (or unset), got {ft.semi_sync_method!r}"
         )
+    if ft.should_quantize and ft.semi_sync_method != "diloco":
+        raise ConfigError(
+            "fault_tolerance.should_quantize quantizes DiLoCo's pseudo-gradients (torchft sends "
+            "gradients and local_sgd's weights at full precision); set "
+            "--fault_tolerance.semi_sync_method diloco, or drop should_quantize"
+        )
+    if ft.should_quantize and ft.process_group != "nccl":
+        raise ConfigError(
+            "fault_tolerance.should_quantize needs --fault_tolerance.process_group nccl (torchft's "
+            f"quantized all-reduce runs on CUDA tensors), got {ft.process_group!r}"
+        )
     _check_fragments(ft)
 
 

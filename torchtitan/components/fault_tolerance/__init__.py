@@ -58,6 +58,14 @@ def _import_torchft() -> Any:
     return torchft
 
 
+def _has_quantized_all_reduce() -> bool:
+    """Whether torchft's quantized all-reduce is usable (torchft silently sends full precision
+    when triton is missing)."""
+    from torchft import manager
+
+    return bool(getattr(manager, "IS_TRITON_AVAILABLE", False))
+
+
 class FaultTolerance:
     """torchft's Manager for this rank, and the Trainer's hooks into it.
 
@@ -83,6 +91,12 @@ class FaultTolerance:
             if not torch.cuda.is_available():
                 raise FaultToleranceError(
                     "fault_tolerance.process_group=nccl needs CUDA; use gloo on CPU"
+                )
+            if cfg.should_quantize and not _has_quantized_all_reduce():
+                raise FaultToleranceError(
+                    "fault_tolerance.should_quantize needs triton (torchft's quantized all-reduce "
+                    "is a triton kernel) and triton is not installed: pip install triton, or "
+                    "drop should_quantize"
                 )
             pg = torchft.ProcessGroupNCCL(timeout=timeout)
         else:

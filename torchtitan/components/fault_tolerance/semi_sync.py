@@ -97,6 +97,7 @@ class SemiSync:
                 pin_memory=torch.cuda.is_available(),
                 fragment_sync_delay=cfg.fragment_sync_delay,
                 fragment_update_alpha=cfg.fragment_update_alpha,
+                should_quantize=cfg.should_quantize,
             )
         self.algorithm.__enter__()  # registers its optimizer hooks; removed in close()
         n = len(fragments)
