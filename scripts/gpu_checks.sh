@@ -17,7 +17,9 @@
 #   launcher_tests  run_train.sh's failure paths on this machine's torchrun (CPU ranks)
 #   fast_tests      the fast test loop on this machine's torch (CPU; torch 2.11 on GPU machines)
 #   nccl            with 2+ GPUs: FSDP x TP, async TP, PP, CP, EP and FSDP's float8 all-gather
-#                   over every GPU, 10 steps each (skipped on one GPU)
+#                   over every GPU, 10 steps each (skipped on one GPU); with torchft installed
+#                   also 2 fault-tolerant groups of 1 GPU over NCCL: synchronous, and DiLoCo
+#                   with the quantized (float8) pseudo-gradient all-reduce
 #   slow_tests      (not by default, ~5 min) tests/distributed's gloo ranks on this torch
 # OUT_DIR gets summary.txt (one line per check: exit code, seconds), checks.log (the tail of
 # each check's log) and logs.tgz (the whole logs); dump folders stay in
@@ -32,6 +34,19 @@ mkdir -p "$tmp"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 export PYTHONPATH="$PWD/scripts:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=$(command -v python3 || command -v python)
+
+ft_groups() {  # ft_groups NAME EXTRA_FLAGS...: 2 torchft groups of 1 GPU each over NCCL
+    local name=$1
+    shift
+    if (( $(nvidia-smi -L 2>/dev/null | grep -c '^GPU') < 2 )) || ! "$py" -c "import torchft" 2>/dev/null; then
+        echo "$name: skipped (needs 2+ GPUs and torchft)" | tee -a "$out/summary.txt"
+        return
+    fi
+    check "$name" "${RUN_LIMIT:-180}" "$py" scripts/run_fault_tolerant.py --groups 2 \
+        --max-restarts 0 --log-dir "$tmp/$name" -- \
+        --job.config_file ./train_configs/debug_model.toml --job.dump_folder "$tmp/$name" \
+        --training.steps 10 --fault_tolerance.process_group nccl "$@"
+}
 
 check() {  # check NAME SECONDS COMMAND...
     local name=$1 limit=$2 start rc
@@ -111,7 +126,10 @@ for c in "${checks[@]}"; do
                 --parallelism.expert_parallel_degree 2
             multi nccl_f8_fsdp ./train_configs/debug_model.toml --model.converters float8 \
                 --float8.enable_fsdp_float8_all_gather \
-                --float8.precompute_float8_dynamic_scale_for_fsdp --compile.enable ;;
+                --float8.precompute_float8_dynamic_scale_for_fsdp --compile.enable
+            ft_groups nccl_ft_sync
+            ft_groups nccl_ft_diloco_f8 --fault_tolerance.semi_sync_method diloco \
+                --fault_tolerance.sync_steps 2 --fault_tolerance.should_quantize ;;
         *) echo "unknown check $c" >>"$out/summary.txt" ;;
     esac
 done
