@@ -241,6 +241,18 @@ CASES = [
         ["--job.config_file", "x.toml", "--module", "llama3", "--config", "llama3_8b"],
         ["either --job.config_file or --module/--config"],
     ),
+    (  # inf passes lr >= 0; every float setting must be finite
+        "infinite-lr",
+        None,
+        ["--optimizer.lr", "inf"],
+        ["optimizer.lr must be a finite number, got inf"],
+    ),
+    (  # max_norm has no range rule (<= 0 disables clipping), NaN would disable it silently
+        "nan-max-norm",
+        "[training]\nmax_norm = nan\n",
+        ["--job.config_file", "{toml}"],
+        ["training.max_norm must be a finite number, got nan"],
+    ),
     (
         "custom-module-missing",
         None,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.fields import get_field, leaf_fields
+from torchtitan.config.fields import get_field, leaf_fields, split_optional
 from torchtitan.config.job_config import JobConfig
 
 __all__ = ["CHECKS", "unknown_rule_keys", "validate"]
@@ -111,6 +111,9 @@ CHECKS: dict[str, Check] = {
 """Range rules: dotted key -> (predicate on the value, what the value must be)."""
 
 
+_FLOAT_KEYS = [key for key, f in leaf_fields(JobConfig).items() if split_optional(f.tp)[0] is float]
+
+
 def unknown_rule_keys(keys: Iterable[str], cls: type = JobConfig) -> list[str]:
     """The keys that name no leaf field of ``cls`` (a rule about them would check nothing)."""
     known = leaf_fields(cls)
@@ -124,6 +127,10 @@ def validate(cfg: Any) -> None:
         bad = isinstance(value, float) and math.isnan(value)
         if bad or not ok(value):
             raise ConfigError(f"{key} {msg}, got {value!r}")
+    for key in _FLOAT_KEYS:  # inf passes a range rule (lr >= 0) but trains nothing sensible
+        value = get_field(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) > 0):
         raise ConfigError(
