@@ -222,19 +222,18 @@ def test_two_groups_equal_hsdp_and_resume_from_disk(tmp_path, cpu_env, lighthous
             assert abs(g[step]["loss"] - hsdp_reference[step]["loss"]) < LOSS_TOL, (step, r)
 
 
-def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_min1,
-                                                 seed_checkpoint, hsdp_reference):
-    """SIGKILL group 1 mid-training and start it again: group 0 keeps committing steps alone
-    meanwhile; group 1 rejoins with group 0's live state; from then on both hold the same
-    weights, and the loss stays close to the uninterrupted run's."""
+def _kill_and_rejoin(tmp_path, cpu_env, lighthouse, steps, ranks, *flags):
+    """Two groups of ``ranks`` ranks train ``steps`` steps; group 1 is SIGKILLed after step 4
+    and started again. Checks what holds for any model: group 0 commits steps alone meanwhile,
+    group 1 rejoins with group 0's live state, and from then on both take the same steps with
+    the same weights. Returns both groups' metrics and the step group 1 was killed at."""
     out = tmp_path / "out"
-    env = _env(cpu_env, 2, lighthouse_min1)
+    env = _env(cpu_env, ranks, lighthouse)
     logs = [tmp_path / "g0.log", tmp_path / "g1.log", tmp_path / "g1_restart.log"]
-    flags = [_group_flags(out, r, LONG_RUN, seed_checkpoint, "--checkpoint.interval", "100")
-             for r in (0, 1)]
-    g0 = _start(env, logs[0], *flags[0])
+    group_flags = [_group_flags(out, r, steps, *flags) for r in (0, 1)]
+    g0 = _start(env, logs[0], *group_flags[0])
     time.sleep(3)  # group 0 waits for group 1 before its first step (startup_wait_seconds)
-    g1 = _start(env, logs[1], *flags[1])
+    g1 = _start(env, logs[1], *group_flags[1])
     deadline = time.time() + 120
     while max(_metrics(out / "replica_1"), default=0) < 4:
         assert time.time() < deadline and g1.poll() is None, logs[1].read_text()[-3000:]
@@ -250,27 +249,37 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
         time.sleep(0.1)
     # Alone, a step takes ~0.05 s and a restart ~10 s: hold the lighthouse (group 0 then waits
     # in its next quorum) until the new group 1 is up, so that it rejoins before the end.
-    lighthouse_min1.pause()
-    g1 = _start(env, logs[2], *flags[1])  # what a supervisor (slurm, k8s) does
+    lighthouse.pause()
+    g1 = _start(env, logs[2], *group_flags[1])  # what a supervisor (slurm, k8s) does
     deadline = time.time() + 120
     while "Checkpoint: saving to" not in logs[2].read_text():
         assert time.time() < deadline and g1.poll() is None, logs[2].read_text()[-3000:]
         time.sleep(0.1)
-    lighthouse_min1.resume()
+    lighthouse.resume()
     _wait(g0, logs[0])
     _wait(g1, logs[2])
 
     m0, m1 = _metrics(out / "replica_0"), _metrics(out / "replica_1")
-    assert max(m0) == LONG_RUN and max(m1) == LONG_RUN
+    assert max(m0) == steps and max(m1) == steps
     assert m0[1]["ft/replica_groups"] == 2, "the groups should take their first step together"
     alone = [s for s in m0 if s > killed_at and m0[s]["ft/replica_groups"] == 1]
     assert alone, "group 0 should have committed steps alone while group 1 was down"
     assert "recovered the live state of step" in logs[2].read_text()
     rejoined = max(alone) + 1  # the first step both groups took again
     assert m1[rejoined]["ft/replica_groups"] == 2
-    for step in range(rejoined, LONG_RUN + 1):
+    for step in range(rejoined, steps + 1):
         assert m0[step]["ft/param_checksum"] == m1[step]["ft/param_checksum"], step
         assert m0[step]["loss"] == m1[step]["loss"], step
+    return m0, m1, killed_at
+
+
+def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_min1,
+                                                 seed_checkpoint, hsdp_reference):
+    """SIGKILL group 1 mid-training and start it again: group 0 keeps committing steps alone
+    meanwhile; group 1 rejoins with group 0's live state; from then on both hold the same
+    weights, and the loss stays close to the uninterrupted run's."""
+    m0, _, _ = _kill_and_rejoin(tmp_path, cpu_env, lighthouse_min1, LONG_RUN, 2, seed_checkpoint,
+                                "--checkpoint.interval", "100")
     # Steps taken alone saw half the data and the step the kill broke was redone with the next
     # batch: close to, not equal to, the uninterrupted run (mean over the last 20 steps).
     last = range(LONG_RUN - 19, LONG_RUN + 1)
@@ -278,6 +287,7 @@ def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_m
     ref = sum(hsdp_reference[s]["loss"] for s in last) / 20
     assert abs(mean - ref) < 0.2, (mean, ref)  # measured 0.06 with 16 steps alone
     # One checkpoint folder, written by one group at a time.
+    out = tmp_path / "out"
     ckpts = sorted(p.name for p in (out / "checkpoint").iterdir() if p.name.startswith("step-"))
     assert f"step-{LONG_RUN}" in ckpts, ckpts
     assert not (out / "replica_0" / "checkpoint").exists()
@@ -330,6 +340,18 @@ def test_groups_with_expert_parallel_inside_equal_hsdp_with_ep(tmp_path, cpu_env
         tmp_path, cpu_env, lighthouse, moe_seed, 2, "--parallelism.expert_parallel_degree", "2",
         "--parallelism.data_parallel_shard_degree", "2",
     )
+
+
+def test_moe_group_with_expert_parallel_killed_rejoins_with_its_expert_shards(
+        tmp_path, cpu_env, lighthouse_min1, moe_seed):
+    """The kill test with MoE groups of 2 ranks and EP2 inside: the restarted group receives
+    each rank's own expert shards, optimizer state and routing biases from its peer rank and
+    takes the same steps (equal checksums, biases included) from the rejoin on."""
+    m0, m1, _ = _kill_and_rejoin(
+        tmp_path, cpu_env, lighthouse_min1, 24, 2, moe_seed, *MOE, "--checkpoint.interval", "100",
+        "--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+    )
+    assert m0[24]["moe/max_load"] == m1[24]["moe/max_load"]
 
 
 def test_semi_sync_moe_groups_route_alike_after_each_sync(tmp_path, cpu_env, lighthouse, moe_seed):
