@@ -88,6 +88,27 @@ def test_should_quantize_without_triton_is_one_line(monkeypatch):
     )
 
 
+def test_a_lost_lighthouse_is_one_readable_line():
+    """torchft's Rust status text is cut to its message; the line says what likely happened."""
+    from types import SimpleNamespace
+
+    class Manager:
+        def start_quorum(self):
+            raise RuntimeError('status: Cancelled, message: "Timeout expired", details: [], '
+                               "metadata: MetadataMap { headers: {} }")
+
+    ft = FaultTolerance.__new__(FaultTolerance)
+    ft.manager, ft.address = Manager(), "http://node7:29510"
+    ft.cfg = SimpleNamespace(quorum_timeout_seconds=10)
+    ft._quorum_seen = True  # mid-run: the lighthouse answered before
+    with pytest.raises(RuntimeError) as info:
+        ft._start_quorum()
+    assert str(info.value) == (
+        "fault tolerance: no quorum from the torchft lighthouse at http://node7:29510 within 10s "
+        "(Timeout expired; is the lighthouse still running?)"
+    )
+
+
 def test_groups_split_the_data_after_each_other():
     ft = cfg_of(*FT, "--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id", "1")
     ft = ft.fault_tolerance

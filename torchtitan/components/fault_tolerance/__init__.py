@@ -17,6 +17,7 @@ schedule, data position, step) from a healthy peer over torchft's checkpoint tra
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -56,6 +57,14 @@ def _import_torchft() -> Any:
             f"fault_tolerance.enable needs torchft ({err}); pip install 'torchft>=0.2'"
         ) from None
     return torchft
+
+
+def _status_message(err: Exception) -> str:
+    """One short line from a torchft error; its Rust (tonic) status prints as ``status:
+    Cancelled, message: "Timeout expired", details: [], metadata: ...``: keep the message."""
+    text = " ".join(str(err).split())
+    found = re.search(r'message: "([^"]*)"', text)
+    return (found.group(1) if found else text)[:200]
 
 
 def _has_quantized_all_reduce() -> bool:
@@ -182,14 +191,17 @@ class FaultTolerance:
         )
 
     def _quorum_error(self, err: Exception) -> Exception:
-        line = " ".join(str(err).split())[:200]
+        line = _status_message(err)
         if not self._quorum_seen:
             return FaultToleranceError(
                 f"no quorum from the torchft lighthouse at {self.address} within "
                 f"{self.cfg.quorum_timeout_seconds}s ({line}); is `torchft_lighthouse` running "
                 "there and its --min_replicas <= the groups started?"
             )
-        return RuntimeError(f"fault tolerance: quorum failed ({line})")
+        return RuntimeError(  # the trainer adds the step and how to resume
+            f"fault tolerance: no quorum from the torchft lighthouse at {self.address} within "
+            f"{self.cfg.quorum_timeout_seconds}s ({line}; is the lighthouse still running?)"
+        )
 
     @property
     def participants(self) -> int:
