@@ -273,6 +273,59 @@ def _kill_and_rejoin(tmp_path, cpu_env, lighthouse, steps, ranks, *flags):
     return m0, m1, killed_at
 
 
+def _process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (torchrun's workers are not in its process group)."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for pid, ppid in (line.split() for line in table.splitlines()):
+        children.setdefault(int(ppid), []).append(int(pid))
+    todo, found = [root], []
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def test_stalled_group_is_left_behind_and_heals_when_it_wakes(tmp_path, cpu_env,
+                                                              lighthouse_min1, seed_checkpoint):
+    """Every process of group 1 stops (SIGSTOP: a hung node, a long GC pause) mid-training:
+    group 0 commits steps alone; group 1, woken up, heals from group 0's live state, and both
+    take the same steps from then on."""
+    out, steps = tmp_path / "out", 60
+    env = _env(cpu_env, 1, lighthouse_min1)
+    logs = [tmp_path / "g0.log", tmp_path / "g1.log"]
+    procs = [_start(env, logs[r], *_group_flags(out, r, steps, seed_checkpoint)) for r in (0, 1)]
+    deadline = time.time() + 120
+    while max(_metrics(out / "replica_1"), default=0) < 4:
+        assert time.time() < deadline and procs[1].poll() is None, logs[1].read_text()[-3000:]
+        time.sleep(0.05)
+    stalled = _process_tree(procs[1].pid)
+    for pid in stalled:
+        os.kill(pid, signal.SIGSTOP)
+    stalled_at = max(_metrics(out / "replica_1"))
+    deadline = time.time() + 30
+    while len([s for s in _metrics(out / "replica_0") if s > stalled_at + 1]) < 3:
+        assert time.time() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    lighthouse_min1.pause()  # group 0 waits in its next quorum until group 1 is awake
+    for pid in stalled:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(6)  # group 1's broken step fails its collective (5 s timeout) and asks for a quorum
+    lighthouse_min1.resume()
+    for proc, log in zip(procs, logs):
+        _wait(proc, log)
+    m0, m1 = _metrics(out / "replica_0"), _metrics(out / "replica_1")
+    assert max(m0) == steps and max(m1) == steps
+    alone = [s for s in m0 if s > stalled_at and m0[s]["ft/replica_groups"] == 1]
+    assert alone, "group 0 should have committed steps alone while group 1 was stopped"
+    # stopped inside a step, group 1 wakes to a failed collective and that step is not
+    # committed; stopped between steps, it wakes straight into a quorum: either way it heals
+    assert f"recovered the live state of step {max(alone)}" in logs[1].read_text()
+    rejoined = max(alone) + 1
+    for step in range(rejoined, steps + 1):
+        assert m0[step]["ft/param_checksum"] == m1[step]["ft/param_checksum"], step
+
+
 def test_group_killed_keeps_training_and_rejoins(tmp_path, cpu_env, lighthouse_min1,
                                                  seed_checkpoint, hsdp_reference):
     """SIGKILL group 1 mid-training and start it again: group 0 keeps committing steps alone
