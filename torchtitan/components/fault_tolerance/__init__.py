@@ -163,10 +163,16 @@ class FaultTolerance:
         if first and not healed:
             self._wait_for_all_groups()
             healed = self.live_state is not None and self.live_state.loads > before
-        if healed:
+        step = self.manager.current_step()
+        if healed and step == 0:  # torchft's start-up sync: every group starts from one state
+            logger.info(
+                f"Fault tolerance: replica group {self.cfg.replica_id} took its initial state "
+                "from a peer (torchft syncs the groups before the first step)"
+            )
+        elif healed:
             logger.warning(
                 f"Fault tolerance: replica group {self.cfg.replica_id} recovered the live "
-                f"state of step {self.manager.current_step()} from a peer"
+                f"state of step {step} from a peer"
             )
         return healed
 
