@@ -275,14 +275,12 @@ def _kill_and_rejoin(tmp_path, cpu_env, lighthouse, steps, ranks, *flags):
 
 def _process_tree(root: int) -> list[int]:
     """``root`` and all its descendants (torchrun's workers are not in its process group)."""
-    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for pid, ppid in (line.split() for line in table.splitlines()):
-        children.setdefault(int(ppid), []).append(int(pid))
+    from torchtitan.tools.lifecycle import _children
+
     todo, found = [root], []
     while todo:
         found.append(todo.pop())
-        todo += children.get(found[-1], [])
+        todo += _children(found[-1])
     return found
 
 

@@ -28,6 +28,7 @@ import torch
 import torchtitan.step as step_module
 from tests.conftest import REPO_ROOT
 from torchtitan.config.manager import ConfigManager
+from torchtitan.tools.lifecycle import _children
 from torchtitan.train import Trainer, main
 
 FLAGS = [
@@ -119,18 +120,6 @@ def test_sigterm_mid_step_saves_the_last_completed_step_and_resumes_exactly(tmp_
     for step, loss in resumed.losses.items():
         assert loss == straight.losses[step], (step, loss, straight.losses[step])  # bitwise
 
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = open(f"/proc/{name}/stat").read()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
-                kids.append(int(name))
-    return kids
 
 
 def _running(pid: int) -> bool:
