@@ -46,6 +46,10 @@ ft_groups() {  # ft_groups NAME EXTRA_FLAGS...: 2 torchft groups of 1 GPU each o
         --max-restarts 0 --log-dir "$tmp/$name" -- \
         --job.config_file ./train_configs/debug_model.toml --job.dump_folder "$tmp/$name" \
         --training.steps 10 --fault_tolerance.process_group nccl "$@"
+    local f
+    for f in "$tmp/$name"/replica_*.log; do  # into logs.tgz with the others
+        [[ -f $f ]] && cp "$f" "$tmp/${name}_$(basename "$f")"
+    done
 }
 
 check() {  # check NAME SECONDS COMMAND...
