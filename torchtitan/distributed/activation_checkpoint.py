@@ -9,7 +9,6 @@ from an ancestor module does show the prefix.)
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config.job_config import ActivationCheckpoint
@@ -166,20 +166,24 @@ def _force_recompute_mm_shapes(
     return shapes
 
 
-_OP = re.compile(r"= (?:torch\._ops\.)?([\w.]+)\(")
-
-
 # Ops that only reshape or alias: left out of the summary of what a block computes.
 _SHAPE_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "reshape", "slice",
               "select", "split", "unsqueeze", "squeeze", "alias", "clone", "_to_copy", "unbind",
               "split_with_sizes", "view_as_real", "view_as_complex", "contiguous"}
 
 
-def _op_names(logs: list[str]) -> list[str]:
-    """Op names from LoggingTensorMode lines (the recompute's own ``detach`` of each tensor
-    it saves again is left out)."""
-    names = [m.group(1) for m in map(_OP.search, logs) if m]
-    return [n for n in names if n != "aten.detach.default"]
+class _OpRecorder(TorchDispatchMode):
+    """Records the name of every aten op that runs under it (``aten.mm.default``); the
+    recompute's own ``detach`` of each tensor it saves again is left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not aten.detach.default:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 class OpCapture:
@@ -197,17 +201,15 @@ class OpCapture:
 
     @contextlib.contextmanager
     def capture(self, phase: str) -> Iterator[None]:
-        from torch.testing._internal.logging_tensor import LoggingTensorMode, capture_logs
-
         if self.reported:
             yield
             return
-        with LoggingTensorMode(), capture_logs(is_mode=True) as logs:
+        with _OpRecorder() as recorder:
             yield
         if phase == "forward":
-            self.forward = _op_names(logs)
+            self.forward = recorder.ops
         else:
-            self.report(_op_names(logs))
+            self.report(recorder.ops)
 
     def report(self, recompute: list[str]) -> None:
         self.reported = True
