@@ -263,8 +263,13 @@ def test_launcher_passes_shutdown_timeout_only_to_a_torchrun_that_has_it(
     real_parser = torchrun.get_args_parser
 
     def parser():
+        # Either torch may be installed (2.11 on GPU machines): give its parser the flag, or
+        # take it away, whichever this case needs.
         p = real_parser()
-        if not torchrun_has_flag:
+        present = "--shutdown-timeout" in p._option_string_actions
+        if torchrun_has_flag and not present:
+            p.add_argument("--shutdown-timeout", "--shutdown_timeout", type=int, default=None)
+        if not torchrun_has_flag and present:
             action = p._option_string_actions["--shutdown-timeout"]
             p._remove_action(action)
             for group in p._action_groups:
