@@ -253,6 +253,9 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """A mixture-of-experts feed-forward: ``[B, S, D] -> [B, S, D]``."""
 
+    float32_buffers = ("expert_bias", "tokens_per_expert")
+    """Kept float32 by the decoder's dtype casts (exact counts; HF keeps the bias float32)."""
+
     def __init__(self, args: MoEArgs, dim: int, hidden_dim: int):
         super().__init__()
         args.validate()

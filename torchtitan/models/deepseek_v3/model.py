@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.common.decoder import keep_float32_buffers
 from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rotary_emb, precompute_freqs_cis
@@ -197,15 +198,9 @@ class DeepSeekV3Model(nn.Module):
         # e_score_correction_bias).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Casting complex values to real")
-            result = super()._apply(fn, recurse)
+            result = super()._apply(keep_float32_buffers(self, fn), recurse)
         if not self.freqs_cis.is_complex():
             self.freqs_cis = self._precompute_freqs_cis(device=self.freqs_cis.device)
-        for module in self.modules():
-            if isinstance(module, MoE):
-                for name in ("expert_bias", "tokens_per_expert"):
-                    buf = getattr(module, name)
-                    if buf.is_floating_point() and buf.dtype != torch.float32:
-                        setattr(module, name, buf.float())
         return result
 
     def forward(

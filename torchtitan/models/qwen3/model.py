@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan.models.common.decoder import keep_float32_buffers
 from torchtitan.models.common.document_mask import attend, batch_attention_mask
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import precompute_freqs_cis
@@ -197,7 +198,7 @@ class Qwen3Model(nn.Module):
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Casting complex values to real")
-            result = super()._apply(fn, recurse)
+            result = super()._apply(keep_float32_buffers(self, fn), recurse)
         if was_tied and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
         if not self.freqs_cis.is_complex():
