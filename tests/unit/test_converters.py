@@ -63,8 +63,10 @@ def test_unknown_converter_is_one_line_naming_the_known_ones():
     with pytest.raises(ConfigError) as info:
         check_converters(cfg("--model.converters", "float8,fp16"))
     assert str(info.value) == "model.converters: unknown converter 'fp16'; known: float8, mx"
-    with pytest.raises(ConfigError, match="upstream's quantize.linear.float8 is float8 here"):
-        converter_class("quantize.linear.float8")
+    assert converter_class("quantize.linear.float8") is converter_class("float8")
+    assert converter_class("quantize.grouped_mm.mx") is converter_class("mx")
+    with pytest.raises(ConfigError, match="did you mean 'quantize.linear.float8'"):
+        converter_class("quantize.linear.float")
     with pytest.raises(ConfigError, match="did you mean 'float8'"):
         converter_class("floa8")
 
@@ -103,7 +105,15 @@ def test_trainer_exits_2_with_one_line_for_an_unknown_converter(capsys):
         (["--model.converters", "mx", "--mx.recipe_name", "fp4"], None,
          "mx.recipe_name='fp4' is not a torchao 0.18 MXFP8 recipe"),
         (["--model.converters", "float8,mx"], None, "float8 and mx both convert"),
-        (["--model.converters", "float8,float8"], None, "names ['float8'] more than once"),
+        (["--model.converters", "float8,float8"], None, "names float8 more than once"),
+        (["--model.converters", "float8,quantize.linear.float8"], None,
+         "model.converters names float8 more than once: ['float8', 'quantize.linear.float8'] "
+         "(upstream's quantize.linear.float8 is float8 here)"),
+        (["--model.converters", "quantize.grouped_mm.float8"], None,
+         "model.converters quantize.grouped_mm.float8 converts the MoE experts that "
+         "quantize.grouped_mm.float8.fqns (float8.moe_fqns_prototype) names, and it is empty"),
+        (["--model.converters", "quantize.linear.float8,quantize.linear.mx"], None,
+         "float8 and mx both convert"),
     ],
 )
 def test_refusals_are_one_line(flags, device, needle):
@@ -150,6 +160,41 @@ def test_float8_converts_the_linears_except_filtered_and_logs_the_skips(caplog):
     assert set(types.values()) == {"Float8Linear"} and len(types) == 2 * 7
     assert "float8: converted 14 Linear layers to Float8Linear (tensorwise, emulated); skipped " \
            "1: output (float8.filter_fqns)" in caplog.text
+
+
+@pytest.mark.parametrize("spelling", ["toml", "cli"])
+def test_upstreams_converter_names_convert_what_they_name(tmp_path, spelling, caplog):
+    """upstream's 2026 names: quantize.linear.float8 converts the Linear layers as float8
+    does (with its [quantize.linear.float8] settings); quantize.grouped_mm.float8 alone leaves
+    them in high precision (it converts the MoE experts its fqns name)."""
+    if spelling == "toml":
+        path = tmp_path / "job.toml"
+        path.write_text('[model]\nconverters = ["quantize.linear.float8"]\n'
+                        '[quantize.linear.float8]\nemulate = true\nfilter_fqns = ["output", "w2"]\n')
+        job = cfg("--job.config_file", str(path))
+    else:
+        job = cfg("--model.converters", "quantize.linear.float8", "--float8.emulate",
+                  "--float8.filter_fqns", "output,w2")
+    check_converters(job, "cpu")
+    types = linear_types(build(job))
+    assert {n for n, t in types.items() if t == "Float8Linear"} == {
+        n for n in types if n != "output" and not n.endswith("w2")} != set()
+
+    moe_only = cfg("--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+                   "--model.converters", "quantize.grouped_mm.float8", "--float8.emulate",
+                   "--float8.moe_fqns_prototype", "experts")
+    spec = get_model_spec("qwen3")
+    args = spec.get_model_args("debugmodel_moe")
+    args.update_from_config(moe_only, tokenizer=None)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    check_converters(moe_only)  # float8 grouped GEMMs run on CUDA only: no device check here
+    converters = ModelConverters([converter_class("quantize.grouped_mm.float8")(moe_only, None,
+                                                                                "cpu")])
+    assert not converters.float8_tensorwise_tp  # no Float8Linear for TP to all-gather into
+    converters.convert(model)
+    assert type(model.layers["0"].moe.experts.w1).__name__ == "Float8TrainingWeightWrapperTensor"
+    assert set(linear_types(model).values()) == {"Linear"}
 
 
 def test_dims_not_multiples_of_16_are_skipped_and_named():

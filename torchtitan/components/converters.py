@@ -32,8 +32,10 @@ __all__ = [
     "build_converters",
     "check_converters",
     "converter_class",
+    "converts_linears",
     "prepare_dry_run",
     "register_converter",
+    "requested_converters",
 ]
 
 REGISTRY: dict[str, str] = {
@@ -42,12 +44,40 @@ REGISTRY: dict[str, str] = {
 }
 """Converter name -> ``"module:Class"`` (imported when a config names it)."""
 
-_UPSTREAM_NAMES = {
-    "quantize.linear.float8": "float8",
-    "quantize.grouped_mm.float8": "float8 with float8.moe_fqns_prototype",
-    "quantize.linear.mx": "mx",
-    "quantize.grouped_mm.mx": "mx with mx.moe_fqns_prototype",
+# Upstream's 2026 converter names: (our converter, the part of the model it converts). The
+# grouped-GEMM names take their MoE FQNs from quantize.grouped_mm.*.fqns, which the legacy
+# rules move to float8.moe_fqns_prototype / mx.moe_fqns_prototype.
+UPSTREAM_NAMES: dict[str, tuple[str, str]] = {
+    "quantize.linear.float8": ("float8", "linear"),
+    "quantize.grouped_mm.float8": ("float8", "grouped_mm"),
+    "quantize.linear.mx": ("mx", "linear"),
+    "quantize.grouped_mm.mx": ("mx", "grouped_mm"),
 }
+_BOTH = frozenset({"linear", "grouped_mm"})
+
+
+def requested_converters(names: list[str]) -> dict[str, frozenset[str]]:
+    """``model.converters`` as {our converter name: the parts it converts} ("linear": the
+    Linear layers; "grouped_mm": the MoE experts its ``moe_fqns_prototype`` names), in order.
+    Our names convert both; upstream's name one part each. Raises one line for a repeat."""
+    parts: dict[str, set[str]] = {}
+    for name in names:
+        ours, part = UPSTREAM_NAMES.get(name, (name, None))
+        wanted = {part} if part else set(_BOTH)
+        if names.count(name) > 1 or (parts.get(ours, set()) & wanted):
+            same = [n for n in names if UPSTREAM_NAMES.get(n, (n,))[0] == ours]
+            raise ConfigError(
+                f"model.converters names {ours} more than once: {same}"
+                + (f" (upstream's {', '.join(n for n in same if n != ours)} is {ours} here)"
+                   if any(n != ours for n in same) else "")
+            )
+        parts.setdefault(ours, set()).update(wanted)
+    return {name: frozenset(p) for name, p in parts.items()}
+
+
+def converts_linears(job_config: JobConfig, name: str) -> bool:
+    """Whether converter ``name`` (``float8`` / ``mx``) converts the Linear layers in this run."""
+    return "linear" in requested_converters(job_config.model.converters).get(name, ())
 
 
 class ModelConverter:
@@ -92,15 +122,11 @@ def register_converter(name: str, target: str | type[ModelConverter]) -> None:
 
 def converter_class(name: str) -> type[ModelConverter]:
     """The class registered as ``name``; ConfigError (one line) for an unknown name."""
-    target: Any = REGISTRY.get(name)
+    target: Any = REGISTRY.get(UPSTREAM_NAMES.get(name, (name,))[0])
     if target is None:
         known = ", ".join(sorted(REGISTRY))
-        hint = ""
-        if name in _UPSTREAM_NAMES:
-            hint = f" (upstream's {name} is {_UPSTREAM_NAMES[name]} here)"
-        else:
-            close = suggest(name, sorted(REGISTRY))
-            hint = f" (did you mean {close!r}?)" if close else ""
+        close = suggest(name, sorted([*REGISTRY, *UPSTREAM_NAMES]))
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ConfigError(f"model.converters: unknown converter {name!r}{hint}; known: {known}")
     if isinstance(target, str):
         module, _, attr = target.partition(":")
@@ -109,11 +135,17 @@ def converter_class(name: str) -> type[ModelConverter]:
 
 
 def _classes(job_config: JobConfig) -> list[type[ModelConverter]]:
-    names = job_config.model.converters
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ConfigError(f"model.converters names {repeated} more than once: {names}")
-    return [converter_class(name) for name in names]
+    classes = []
+    for name, parts in requested_converters(job_config.model.converters).items():
+        cls = converter_class(name)
+        if parts == {"grouped_mm"} and not getattr(job_config, name).moe_fqns_prototype:
+            raise ConfigError(
+                f"model.converters quantize.grouped_mm.{name} converts the MoE experts that "
+                f"quantize.grouped_mm.{name}.fqns ({name}.moe_fqns_prototype) names, and it is "
+                "empty: name them (e.g. experts), or drop the converter"
+            )
+        classes.append(cls)
+    return classes
 
 
 def check_converters(job_config: JobConfig, device_type: str | None = None) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.components.converters import ModelConverter
+from torchtitan.components.converters import ModelConverter, converts_linears
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.logging import logger
@@ -80,7 +80,7 @@ def recipe_of(job_config: JobConfig) -> str:
 def float8_tensorwise_tp(job_config: JobConfig) -> bool:
     """True when TP should all-gather in float8: the float8 converter with tensorwise scaling
     (rowwise recipes use the plain TP styles; Float8Linear then all-gathers high precision)."""
-    return "float8" in job_config.model.converters and recipe_of(job_config) == "tensorwise"
+    return converts_linears(job_config, "float8") and recipe_of(job_config) == "tensorwise"
 
 
 def _layer_pattern(fqn: str) -> str:
@@ -223,10 +223,11 @@ class Float8Converter(ModelConverter):
         self.config = dataclasses.replace(config, emulate=f8.emulate)
         self.filter_fqns = list(f8.filter_fqns)
         self.moe_fqns = list(f8.moe_fqns_prototype)
+        self.linears = converts_linears(job_config, self.name)
 
     @property
     def float8_tensorwise_tp(self) -> bool:
-        return self.recipe == "tensorwise"
+        return self.linears and self.recipe == "tensorwise"
 
     def convert(self, model: nn.Module) -> None:
         # MoE first: torchao's quantize_ would turn Float8Linear layers back into nn.Linear.
@@ -242,6 +243,9 @@ class Float8Converter(ModelConverter):
                 )
             quantize_(model, config=Float8TrainingOpConfig(), filter_fn=keep)
             logger.info(f"float8: {n_moe} MoE expert groups use float8 rowwise grouped GEMMs")
+        if not self.linears:  # upstream's quantize.grouped_mm.float8 alone: MoE experts only
+            logger.info("float8: Linear layers stay in high precision (no quantize.linear.float8)")
+            return
         from torchao.float8 import convert_to_float8_training
 
         chosen, skipped = plan_linears(model, self.filter_fqns, self.recipe)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.components.converters import ModelConverter
+from torchtitan.components.converters import ModelConverter, converts_linears
 from torchtitan.components.float8 import (
     count_moe,
     cuda_capability,
@@ -69,7 +69,7 @@ class MXConverter(ModelConverter):
     @classmethod
     def check(cls, job_config: JobConfig) -> None:
         resolve_recipe(job_config.mx.recipe_name)
-        if "float8" in job_config.model.converters:
+        if converts_linears(job_config, "float8") and converts_linears(job_config, "mx"):
             raise ConfigError("model.converters: float8 and mx both convert the Linear layers; "
                               "choose one")
 
@@ -116,11 +116,15 @@ class MXConverter(ModelConverter):
         self.config.out_dtype = torch.float32 if fp32 else torch.bfloat16
         self.filter_fqns = list(mx.filter_fqns)
         self.moe_fqns = list(mx.moe_fqns_prototype)
+        self.linears = converts_linears(job_config, self.name)
 
     def convert(self, model: nn.Module) -> None:
         from torchao.quantization import quantize_
 
         chosen, skipped = plan_linears(model, self.filter_fqns, what="mx.filter_fqns")
+        if not self.linears:  # upstream's quantize.grouped_mm.mx alone: MoE experts only
+            skipped.update(dict.fromkeys(chosen, "no quantize.linear.mx"))
+            chosen = set()
         for fqn in sorted(chosen):  # the MX block size is 32
             weight = model.get_submodule(fqn).weight
             if weight.shape[0] % 32 or weight.shape[1] % 32:
