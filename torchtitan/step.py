@@ -161,4 +161,7 @@ def optimizer_step(run: RunParts) -> dict[str, float]:
         run.optimizers.step()
         run.converters.post_optimizer_hook(run.model_parts)  # e.g. float8 FSDP scales
     run.lr_schedulers.step()
-    return {name: dist_utils.scalar_value(value) for name, value in figures.items()}
+    if not figures:
+        return {}
+    values = torch.stack(list(figures.values()))  # one device-to-host copy, not one per layer
+    return dict(zip(figures, map(dist_utils.scalar_value, values.unbind())))

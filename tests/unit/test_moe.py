@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from torchtitan.models.common.moe import (
     MoE,
@@ -115,6 +116,22 @@ def test_bias_update_evens_a_skewed_load():
     assert moe.tokens_per_expert.sum() == 0  # counts reset after each update
     assert moe.expert_bias[:2].max() < moe.expert_bias[2:].min()  # favoured experts pushed down
     assert "expert_bias" in moe.state_dict() and "tokens_per_expert" not in moe.state_dict()
+
+
+def test_load_figures_name_each_layer_and_average_over_layers():
+    """One lagging layer sets moe/max_load; moe/mean_max_load and the per-layer figures show
+    that the others are balanced."""
+    model = nn.ModuleDict({"layers": nn.ModuleDict(
+        {str(i): nn.ModuleDict({"moe": _moe(num_experts=4, top_k=1)}) for i in range(3)})})
+    layers = moe_layers([model])
+    for layer, counts in zip(layers, ([10, 10, 10, 10], [12, 8, 10, 10], [40, 0, 0, 0])):
+        layer.tokens_per_expert.copy_(torch.tensor(counts, dtype=torch.float32))
+    figures = {k: float(v) for k, v in update_load_balance_bias(layers).items()}
+    assert figures == pytest.approx({
+        "moe/max_load": 4.0, "moe/mean_max_load": (1.0 + 1.2 + 4.0) / 3, "moe/min_load": 0.0,
+        "moe/dropped_tokens": 0.0, "moe/max_load/layers.0": 1.0, "moe/max_load/layers.1": 1.2,
+        "moe/max_load/layers.2": 4.0,
+    })
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])

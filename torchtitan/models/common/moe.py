@@ -359,8 +359,15 @@ def sequence_balance_loss(
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
-    """Every MoE layer inside ``modules`` (e.g. the model parts)."""
-    return [m for part in modules for m in part.modules() if isinstance(m, MoE)]
+    """Every MoE layer inside ``modules`` (e.g. the model parts). Each is given its block's
+    FQN as ``metrics_name`` (``layers.3``), which names its figures in the metrics."""
+    found = []
+    for part in modules:
+        for fqn, m in part.named_modules():
+            if isinstance(m, MoE):
+                m.metrics_name = fqn.removesuffix(".moe")
+                found.append(m)
+    return found
 
 
 @torch.no_grad()
@@ -374,8 +381,10 @@ def update_load_balance_bias(
     ``reduce_sum`` sums a tensor over the ranks that saw different tokens (data and context
     parallel), in place; every rank then applies the same update. Returns load figures of the
     step as 0-dim tensors: ``moe/max_load`` (the largest max/mean expert load over layers; 1.0
-    is perfect balance), ``moe/min_load`` (the smallest min/mean) and ``moe/dropped_tokens``
-    (always 0: token-choice routing drops nothing).
+    is perfect balance), ``moe/mean_max_load`` (max/mean averaged over layers: the headline
+    figure, which one lagging layer does not dominate), ``moe/max_load/<layer>`` per layer,
+    ``moe/min_load`` (the smallest min/mean) and ``moe/dropped_tokens`` (always 0: token-choice
+    routing drops nothing).
     """
     if not layers:
         return {}
@@ -390,8 +399,13 @@ def update_load_balance_bias(
             delta = coeff * torch.sign(layer_counts.mean() - layer_counts)
             layer.expert_bias.add_(delta - delta.mean())
         layer.tokens_per_expert.zero_()
-    return {
-        "moe/max_load": load.max(),
+    per_layer = load.amax(dim=-1)
+    figures = {
+        "moe/max_load": per_layer.max(),
+        "moe/mean_max_load": per_layer.mean(),
         "moe/min_load": load.min(),
-        "moe/dropped_tokens": torch.zeros(()),
+        "moe/dropped_tokens": torch.zeros((), device=load.device),
     }
+    for i, (layer, value) in enumerate(zip(layers, per_layer.unbind())):
+        figures[f"moe/max_load/{getattr(layer, 'metrics_name', '') or i}"] = value
+    return figures
