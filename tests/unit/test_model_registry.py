@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -30,6 +31,22 @@ def test_builtin_families_registered():
     assert {"debugmodel", "debugmodel_tiny", "1B", "8B", "70B", "405B"} <= set(spec.flavors)
     assert set(get_model_spec("llama2").flavors) == {"debugmodel", "7B", "13B", "70B"}
     assert get_model_spec("llama2").model_cls is Transformer
+
+
+def test_every_family_folder_is_a_builtin_known_before_anything_imports_it(monkeypatch):
+    """A family folder left out of the table is missing from "known models" and the
+    did-you-mean until something happens to import it."""
+    from pathlib import Path
+
+    folders = {p.parent.name for p in Path(models.__file__).parent.glob("*/__init__.py")}
+    assert set(models._BUILTIN_FAMILIES) == folders - {"common"}
+    monkeypatch.setattr(models, "_REGISTRY", {})  # as in a fresh process: nothing imported
+    monkeypatch.setattr(models, "_builtins_loaded", False)
+    for family in models._BUILTIN_FAMILIES:  # a fresh process runs each family's __init__
+        monkeypatch.delitem(sys.modules, f"torchtitan.models.{family}", raising=False)
+    with pytest.raises(ValueError, match="Did you mean 'deepseek_v3'") as info:
+        get_model_spec("deepseek_v4")
+    assert "deepseek_v3, llama2, llama3, qwen3" in str(info.value)
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama2"])

@@ -1,6 +1,7 @@
 """Model registry: ``model.name`` -> ``ModelSpec``.
 
-Built-in families (``llama3``, ``llama2``, ``qwen3``) are imported on first lookup. A family
+Built-in families (``_BUILTIN_FAMILIES``: every folder here but ``common``) are imported on
+first lookup, so all of them are known and suggested from the first error on. A family
 is one folder ``torchtitan/models/<name>/`` whose ``__init__`` calls ``register_model_spec``; such a
 folder is imported automatically when ``get_model_spec("<name>")`` is first asked for it.
 """
@@ -21,7 +22,7 @@ __all__ = [
     "register_model_spec",
 ]
 
-_BUILTIN_FAMILIES = ("llama3", "llama2", "qwen3")
+_BUILTIN_FAMILIES = ("llama3", "llama2", "qwen3", "deepseek_v3")
 _REGISTRY: dict[str, ModelSpec] = {}
 _builtins_loaded = False
 
