@@ -239,18 +239,18 @@ def test_incomplete_and_corrupt_are_skipped(tmp_path, caplog):
         Rig(tmp_path).ckpt.load(step=7)
 
 
-def test_explicit_load_step_picks_older_and_resave_replaces(tmp_path):
+def test_explicit_load_step_picks_older_and_sets_newer_aside(tmp_path):
     rig = Rig(tmp_path)
     first = rig.train(6)
     old_marker = json.loads((rig.folder / "step-4" / ".committed").read_text())
     fresh = Rig(tmp_path)
     assert fresh.ckpt.load(step=2) and fresh.state.step == 2
     assert fresh.train(4) == first[2:4]
-    # step-4 was saved again: committed atomically; the old one (written by another run) is
-    # kept under a name that is never loaded or purged
+    # the rewind set the abandoned step-4 and step-6 aside (never loaded or purged); the new
+    # step-4 was committed next to them
     names = _steps(rig.folder)
-    assert [n for n in names if ".superseded-" not in n] == ["step-2", "step-4", "step-6"]
-    assert len([n for n in names if n.startswith("step-4.superseded-")]) == 1, names
+    assert [n for n in names if ".abandoned-" not in n] == ["step-2", "step-4"]
+    assert sorted(n.split(".")[0] for n in names if ".abandoned-" in n) == ["step-4", "step-6"], names
     new_marker = json.loads((rig.folder / "step-4" / ".committed").read_text())
     assert new_marker["committed_at"] >= old_marker["committed_at"] and new_marker["step"] == 4
 

@@ -5,10 +5,12 @@ A checkpoint is written to ``step-N.tmp`` and becomes ``step-N`` only after ever
 writing: rank 0 then writes a commit marker (``.committed``, listing every file with its size and
 CRC32) and renames the folder. A folder is *complete* when it is named ``step-N`` and either its
 marker's file list matches the disk (sizes; the checksums are checked by ``integrity`` before a
-load), or (for checkpoints written by other tools) it has DCP's ``.metadata``. A commit never
+load). A ``step-N`` with DCP's ``.metadata`` but no marker (another tool, or copied by hand) is
+*unverified*: never picked automatically, loaded only when asked for by its step. A commit never
 deletes a ``step-N`` the run did not write: an existing one is moved aside to
-``step-N.superseded-<time>`` (outside the ``step-N`` pattern: never loaded, never purged).
-Everything here is plain file-system work, safe without a process group.
+``step-N.superseded-<time>``; a rewind moves the newer ones to ``step-N.abandoned-<time>`` (both
+outside the ``step-N`` pattern: never loaded, never purged). Everything here is plain
+file-system work, safe without a process group.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ FORMAT_VERSION = 2
 CHECKSUM_SIDECAR = ".checksums."
 """``.checksums.<rank>``: the CRC32 of the data files one rank wrote (merged into the marker)."""
 SUPERSEDED = ".superseded-"
+ABANDONED = ".abandoned-"
+UNVERIFIED = (
+    f"it has no {COMMIT_MARKER} (written by another tool or copied by hand), so its file sizes "
+    "and checksums cannot be checked"
+)
 DELETING_SUFFIX = ".deleting" + TMP_SUFFIX
 """A checkpoint being deleted is renamed ``step-N.deleting.tmp`` first (see
 :func:`delete_checkpoint`); a leftover one is removed by the next purge."""
@@ -65,6 +72,8 @@ class CheckpointEntry:
     """Why it is not complete (empty when complete)."""
     marker: dict[str, Any] | None = None
     """The commit marker's content (None for foreign or incomplete checkpoints)."""
+    unverified: bool = False
+    """DCP's ``.metadata`` is there but no commit marker: loadable only when asked for."""
 
 
 def file_checksum(path: str, chunk: int = 8 << 20) -> str:
@@ -164,6 +173,9 @@ def scan_checkpoints(folder: str) -> list[CheckpointEntry]:
             )
             continue
         reason, marker = verify_checkpoint(path)
+        if not reason and marker is None:
+            entries.append(CheckpointEntry(step, path, False, UNVERIFIED, None, unverified=True))
+            continue
         entries.append(CheckpointEntry(step, path, reason == "", reason, marker))
     entries.sort(key=lambda e: (e.step, e.path.endswith(TMP_SUFFIX)))
     return entries
@@ -187,9 +199,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def superseded_name(final_path: str) -> str:
-    """A free ``step-N.superseded-<time>`` name next to ``final_path``."""
-    base = f"{final_path}{SUPERSEDED}{time.strftime('%Y%m%dT%H%M%S')}"
+def superseded_name(final_path: str, tag: str = SUPERSEDED) -> str:
+    """A free ``step-N.superseded-<time>`` (or other ``tag``) name next to ``final_path``."""
+    base = f"{final_path}{tag}{time.strftime('%Y%m%dT%H%M%S')}"
     name, n = base, 1
     while os.path.exists(name):
         n += 1
@@ -233,6 +245,25 @@ def commit_checkpoint(
         os.rename(tmp_path, final_path)
     _fsync_dir(os.path.dirname(final_path) or ".")
     return aside
+
+
+def set_aside_newer(folder: str, step: int) -> list[tuple[str, str]]:
+    """Rename every ``step-N`` of ``folder`` newer than ``step`` (a rewind's abandoned
+    trajectory) to ``step-N.abandoned-<time>``; returns ``(old, new)`` paths. Nothing is deleted.
+    Unfinished writes (``*.tmp``) are left to the purge."""
+    moved = []
+    for entry in scan_checkpoints(folder):
+        if entry.step <= step or entry.path.endswith(TMP_SUFFIX):
+            continue
+        aside = superseded_name(entry.path, ABANDONED)
+        try:
+            os.rename(entry.path, aside)
+        except FileNotFoundError:  # another replica group's rank 0 moved it first
+            continue
+        moved.append((entry.path, aside))
+    if moved:
+        _fsync_dir(folder)
+    return moved
 
 
 def delete_checkpoint(path: str) -> None:

@@ -64,7 +64,8 @@ def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> Checkpoin
     loadable = [
         parsed[0]
         for p, why in damaged
-        if _marker_only_damage(p, why) and (parsed := fs.parse_step_dir(os.path.basename(p)))
+        if (why == fs.UNVERIFIED or _marker_only_damage(p, why))
+        and (parsed := fs.parse_step_dir(os.path.basename(p)))
     ]
     choice = (
         f"load one whose data looks whole anyway with --checkpoint.load_step {max(loadable)}, or "
@@ -108,11 +109,14 @@ def _decide(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
     fallbacks: tuple[tuple[int, str], ...] = ()
     if step >= 0:
         match = [e for e in entries if e.step == step and not e.path.endswith(fs.TMP_SUFFIX)]
-        if match and not match[0].complete and _marker_only_damage(match[0].path, match[0].reason):
+        if match and not match[0].complete and (
+            match[0].unverified or _marker_only_damage(match[0].path, match[0].reason)
+        ):
             logger.warning(
                 f"Checkpoint: {match[0].path}: {match[0].reason}; loading it anyway because "
-                f"checkpoint.load_step={step} asks for it (DCP's index {fs.DCP_METADATA} is "
-                "present; file sizes and checksums cannot be checked)"
+                f"checkpoint.load_step={step} asks for it"
+                + ("" if match[0].unverified else f" (DCP's index {fs.DCP_METADATA} is present; "
+                   "file sizes and checksums cannot be checked)")
             )
         elif not match or not match[0].complete:
             why = match[0].reason if match else "it does not exist"
@@ -126,10 +130,14 @@ def _decide(folder: str, step: int, cfg: CheckpointConfig) -> LoadPlan | None:
     else:
         newest = complete[-1].step if complete else -1
         for e in entries:
-            if not e.complete and e.step >= newest:
+            if e.unverified:
+                logger.warning(
+                    f"Checkpoint: skipping {e.path}: {e.reason}; load it anyway with "
+                    f"--checkpoint.load_step {e.step}"
+                )
+            elif not e.complete and e.step >= newest:
                 logger.warning(f"Checkpoint: skipping incomplete checkpoint {e.path}: {e.reason}")
-        for e in entries:
-            if not e.complete and e.step < newest and not e.path.endswith(fs.TMP_SUFFIX):
+            elif not e.complete and not e.path.endswith(fs.TMP_SUFFIX):
                 logger.warning(f"Checkpoint: ignoring incomplete checkpoint {e.path}: {e.reason}")
         if cfg.start_fresh:
             names = [os.path.basename(e.path) for e in entries if not e.path.endswith(fs.TMP_SUFFIX)]
@@ -198,16 +206,19 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
             model_only=True,
             hf=True,
         )
-    reason_text, _ = fs.verify_checkpoint(path)
+    reason_text, marker = fs.verify_checkpoint(path)
     if reason_text:
-        # Perhaps a checkpoint root folder: use its newest complete step.
-        inner = fs.complete_checkpoints(path)
+        # Perhaps a checkpoint root folder: its newest complete step, else its newest unverified
+        entries = fs.scan_checkpoints(path)
+        inner = [e for e in entries if e.complete] or [e for e in entries if e.unverified]
         if not inner:
             raise CheckpointError(
                 f"checkpoint.initial_load_path={path} is not a complete DCP checkpoint "
                 f"({reason_text}) and holds no complete step-N folder"
             )
-        path = inner[-1].path
+        path, marker = inner[-1].path, inner[-1].marker
+    if marker is None:  # named by the user, so loaded; but say that it cannot be checked
+        logger.warning(f"Checkpoint: initial_load_path {path}: {fs.UNVERIFIED}")
     return LoadPlan(
         path=path,
         step=None,

@@ -28,6 +28,7 @@ from torchtitan.components.checkpoint.common import (
     TRAIN_STATE,
     CheckpointError,
     ModelWrapper,
+    agree,
     rank,
     world_size,
 )
@@ -358,8 +359,30 @@ class CheckpointManager:
                 f"Checkpoint: loaded {', '.join(loaded)} from {plan.path} ({plan.reason}) "
                 f"in {time.perf_counter() - begin:.2f} s"
             )
+        if step >= 0 and plan.step == step and not self.config.load_only:
+            self._set_aside_newer(step)
         self.guard.start()
         return True
+
+    def _set_aside_newer(self, step: int) -> None:
+        """A rewind: the ``step-N`` folders newer than the loaded ``step`` belong to the
+        abandoned trajectory. Renamed (never deleted), so no later restart resumes from them
+        and this run's saves of those steps meet no old folder."""
+        error = None
+        if rank() == 0:
+            try:
+                moved = fs.set_aside_newer(self.folder, step)
+            except OSError as err:
+                error = f"cannot set aside the checkpoints newer than step-{step} in {self.folder}: {err}"
+            else:
+                if moved:
+                    logger.warning(
+                        f"Checkpoint: rewound to step-{step} (checkpoint.load_step): the newer "
+                        f"{', '.join(os.path.basename(old) for old, _ in moved)} belong to the "
+                        f"abandoned trajectory, renamed {', '.join(os.path.basename(new) for _, new in moved)} "
+                        "(never loaded or purged: delete them once you no longer need them)"
+                    )
+        agree(error)
 
     def _protect_existing(self, plan: LoadPlan | None) -> None:
         """Never purge what this run cannot vouch for: damaged checkpoints, and under
