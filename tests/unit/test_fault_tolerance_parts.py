@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from torchtitan.components.fault_tolerance.layout import (
     check_lighthouse,
     data_layout,
     lighthouse_address,
+    probe_lighthouse,
     split_group_outputs,
 )
 from torchtitan.components.fault_tolerance.live_state import (
@@ -72,6 +77,7 @@ def test_settings_are_ignored_without_enable():
 
 def test_should_quantize_without_triton_is_one_line(monkeypatch):
     """torchft would quietly send full precision without triton: the trainer says so instead."""
+    pytest.importorskip("torchft")
     import torchft.manager
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -127,18 +133,67 @@ def test_lighthouse_address_from_flag_or_environment(monkeypatch):
 
 
 def test_preflight_reaches_the_lighthouse(monkeypatch):
-    with socket.socket() as listening:
-        listening.bind(("localhost", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
-        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
+    """A real lighthouse (torchft's own server, in this process) passes; a closed port is one
+    line naming the address."""
+    _torchft = pytest.importorskip("torchft._torchft")
+    server = _torchft.LighthouseServer(bind="[::]:0", min_replicas=1)
+    port = int(server.address().rsplit(":", 1)[1])
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
+    try:
         check_lighthouse(cfg_of(*FT).fault_tolerance)
+    finally:
+        server.shutdown()
     with pytest.raises(FaultToleranceError) as info:  # closed now
         check_lighthouse(cfg_of(*FT).fault_tolerance)
     assert str(info.value) == (
         f"cannot reach the torchft lighthouse at http://localhost:{port} (Connection refused); "
         "start it there with `torchft_lighthouse --min_replicas 1` or fix "
         "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE"
+    )
+
+
+@contextlib.contextmanager
+def _impostor(kind: str):
+    """A port that accepts connections but is no lighthouse: a plain HTTP server, or a socket
+    that never answers; yields its address."""
+    if kind == "http":
+        server = http.server.HTTPServer(("localhost", 0), http.server.BaseHTTPRequestHandler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://localhost:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            server.server_close()
+    else:
+        with socket.socket() as silent:
+            silent.bind(("localhost", 0))
+            silent.listen()
+            yield f"http://localhost:{silent.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(("kind", "detail"), [
+    ("http", "it answered HTTP 501 to /torchft.LighthouseService/Heartbeat"),
+    ("silent", "no answer within 0.5s"),
+])
+def test_preflight_refuses_a_port_that_is_not_a_lighthouse(kind, detail):
+    """Accepting a connection is not enough: the job would wait the whole quorum timeout."""
+    with _impostor(kind) as address:
+        start = time.monotonic()
+        assert probe_lighthouse(address, timeout_s=0.5) == ("not a lighthouse", detail)
+        assert time.monotonic() - start < 3
+
+
+def test_preflight_names_an_address_that_is_not_a_lighthouse(monkeypatch):
+    pytest.importorskip("torchft")
+    with _impostor("http") as address:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+        with pytest.raises(FaultToleranceError) as info:
+            check_lighthouse(cfg_of(*FT).fault_tolerance)
+    assert str(info.value) == (
+        f"{address} is not a torchft lighthouse (it answered HTTP 501 to "
+        "/torchft.LighthouseService/Heartbeat); point --fault_tolerance.lighthouse / "
+        "TORCHFT_LIGHTHOUSE at one, started with `torchft_lighthouse --min_replicas 1`"
     )
 
 
@@ -288,8 +343,11 @@ def test_groups_with_equal_token_counts_are_not_rescaled():
 def test_launcher_prints_the_lighthouse_and_one_command_per_group(capsys, monkeypatch):
     import importlib.util
 
+    """The printed commands carry what the launcher sets, not what it inherits (here an empty
+    CUDA_VISIBLE_DEVICES, as on a GPU machine's CPU test run)."""
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: CPU groups
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     spec = importlib.util.spec_from_file_location(
         "run_fault_tolerant", REPO_ROOT / "scripts" / "run_fault_tolerant.py"
     )

@@ -6,7 +6,6 @@ Torch-free on purpose: the pre-flight checks and the build use it before anythin
 from __future__ import annotations
 
 import os
-import socket
 from urllib.parse import urlsplit
 
 from torchtitan.config.job_config import FaultTolerance as FTConfig
@@ -18,6 +17,7 @@ __all__ = [
     "check_lighthouse",
     "data_layout",
     "lighthouse_address",
+    "probe_lighthouse",
     "split_group_outputs",
 ]
 
@@ -64,9 +64,50 @@ def split_group_outputs(cfg: JobConfig) -> None:
     cfg.job.dump_folder = os.path.join(cfg.job.dump_folder, f"replica_{ft.replica_id}")
 
 
+# A gRPC call with no request message: a torchft lighthouse (0.2 serves gRPC and its dashboard
+# over HTTP/1.1 and HTTP/2 on one port) answers it with a gRPC status and records nothing, not
+# even a heartbeat, so probing it cannot delay a quorum.
+_PROBE_PATH = "/torchft.LighthouseService/Heartbeat"
+_GRPC_UNIMPLEMENTED = "12"
+
+
+def probe_lighthouse(address: str, timeout_s: float = 3.0) -> tuple[str, str]:
+    """Ask ``address`` a torchft lighthouse question. ``("", "")`` when a lighthouse answers;
+    else ``(kind, detail)``: kind ``"unreachable"`` (no connection, e.g. "Connection refused")
+    or ``"not a lighthouse"`` (something else answers there, or nothing within ``timeout_s``)."""
+    import http.client
+
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    host, port = parts.hostname or "localhost", parts.port or 29510
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(host, port, timeout=timeout_s)
+    try:
+        try:
+            conn.connect()
+        except OSError as err:
+            return "unreachable", str(err.strerror or err)
+        try:
+            conn.request("POST", _PROBE_PATH, body=b"",
+                         headers={"content-type": "application/grpc", "te": "trailers"})
+            response = conn.getresponse()
+            response.read(4096)
+        except TimeoutError:
+            return "not a lighthouse", f"no answer within {timeout_s:g}s"
+        except (OSError, http.client.HTTPException) as err:
+            return "not a lighthouse", f"no HTTP answer: {type(err).__name__}"
+        grpc = (response.getheader("content-type") or "").startswith("application/grpc")
+        status = response.getheader("grpc-status")
+        if not grpc or status is None or status == _GRPC_UNIMPLEMENTED:
+            what = f"gRPC status {status}" if grpc else f"HTTP {response.status}"
+            return "not a lighthouse", f"it answered {what} to {_PROBE_PATH}"
+        return "", ""
+    finally:
+        conn.close()
+
+
 def check_lighthouse(ft: FTConfig, timeout_s: float = 3.0) -> None:
-    """Pre-flight: torchft is installed and the lighthouse accepts connections (one line,
-    FaultToleranceError, within ``timeout_s``). No-op without fault tolerance."""
+    """Pre-flight: torchft is installed and a torchft lighthouse answers at the address (one
+    line, FaultToleranceError, within about ``2 * timeout_s``). No-op without fault tolerance."""
     if not ft.enable:
         return
     address = lighthouse_address(ft)
@@ -76,14 +117,16 @@ def check_lighthouse(ft: FTConfig, timeout_s: float = 3.0) -> None:
         raise FaultToleranceError(
             "fault_tolerance.enable needs torchft; pip install 'torchft>=0.2'"
         )
-    parts = urlsplit(address)
-    host, port = parts.hostname or "localhost", parts.port or 29510
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as err:
+    kind, detail = probe_lighthouse(address, timeout_s)
+    if kind == "unreachable":
         raise FaultToleranceError(
-            f"cannot reach the torchft lighthouse at {address} ({err.strerror or err}); start "
+            f"cannot reach the torchft lighthouse at {address} ({detail}); start "
             "it there with `torchft_lighthouse --min_replicas 1` or fix "
             f"--fault_tolerance.lighthouse / {LIGHTHOUSE_ENV}"
-        ) from None
+        )
+    if kind:
+        raise FaultToleranceError(
+            f"{address} is not a torchft lighthouse ({detail}); point "
+            f"--fault_tolerance.lighthouse / {LIGHTHOUSE_ENV} at one, started with "
+            "`torchft_lighthouse --min_replicas 1`"
+        )
