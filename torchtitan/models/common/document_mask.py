@@ -30,8 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.common.attention import repeat_kv
-
 __all__ = [
     "MASK_TYPES",
     "SequenceShard",
@@ -45,6 +43,7 @@ __all__ = [
     "document_ids",
     "flex_supported",
     "mask_mod",
+    "repeat_kv",
     "sharded_sequence",
     "uses_attention_mask",
     "validate_mask_settings",
@@ -256,6 +255,18 @@ def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Repeat each key/value head ``n_rep`` times: ``[B, S, Hkv, D] -> [B, S, Hkv * n_rep, D]``."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    )
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,

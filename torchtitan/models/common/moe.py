@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.common.feed_forward import FeedForward
+
 
 @dataclass
 class MoEArgs:
@@ -218,22 +220,8 @@ def _run_loop(x, counts, w1, w2, w3) -> torch.Tensor:
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
 
 
-class SharedExperts(nn.Module):
+class SharedExperts(FeedForward):
     """The always-on SwiGLU expert(s) of a layer, fused into one wider feed-forward."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
-        for linear in (self.w2, self.w3):
-            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
