@@ -5,8 +5,10 @@ functions, in one process and without building the model: planned-but-unbuilt se
 parallel layout against the world size (:class:`ParallelDims`), batch arithmetic, the model
 flavor and its shape against the layout (``validate_for_model``), context and expert parallel
 rules, the pipeline plan (on a ``meta`` model: shapes only), compile and device-only features
-(async TP), and that the tokenizer and a local dataset exist. It raises the trainer's own
-one-line errors (``ConfigError``, ``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
+(async TP), and where the run starts: the dump folder, the tokenizer file, the datasets
+(known names, local files with documents, a streaming Hub dataset's reachability) and what the
+checkpoint settings load. It raises the trainer's own one-line errors (``ConfigError``,
+``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
 
 ``run_train.sh`` runs it through :mod:`torchtitan.launch` before torchrun starts, and
 ``python -m torchtitan.config_manager`` (``--check``) runs it before printing a config.
@@ -18,6 +20,7 @@ import contextlib
 import importlib
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +31,7 @@ from torchtitan.tools.logging import logger
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-__all__ = ["USER_ERRORS", "check_run", "default_world_size", "summary"]
+__all__ = ["USER_ERRORS", "check_dump_folder", "check_run", "default_world_size", "summary"]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,  # ConfigError, ParallelismError and CheckpointError are ValueErrors
@@ -147,11 +150,42 @@ def _check_components(cfg: JobConfig, device_type: str) -> None:
     check_memory_budget_plots(cfg.activation_checkpoint)
 
 
-def _check_files(cfg: JobConfig) -> None:
-    """The tokenizer's file and a local dataset path exist (a dry run needs neither)."""
-    from torchtitan.components.tokenizer import tokenizer_file
+def check_dump_folder(path: str) -> None:
+    """``job.dump_folder`` is a folder this process can write in, or one it can create;
+    ``ValueError`` naming it otherwise. Creates nothing (the probe is an unnamed temporary
+    file). The pre-flight and every rank (``MetricsProcessor``) run it."""
+    folder = os.path.abspath(os.path.expanduser(path))
+    existing = folder
+    while not os.path.exists(existing):  # the nearest folder that is there
+        existing = os.path.dirname(existing)
+    fix = "use another --job.dump_folder"
+    if not os.path.isdir(existing):
+        where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
+        raise ValueError(f"job.dump_folder={path} {where}, not a folder: {fix}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        where = "is not writable" if existing == folder else f"cannot be created in {existing}"
+        raise ValueError(
+            f"job.dump_folder={path} {where} ({why}): fix the permissions or {fix}"
+        ) from None
 
-    tokenizer_file(cfg.model)
+
+def _dataset_sections(cfg: JobConfig) -> list[tuple[str, Any]]:
+    sections = [("training", cfg.training)]
+    if cfg.validation.enable:
+        sections.append(("validation", cfg.validation))
+    return sections
+
+
+def _check_files(cfg: JobConfig) -> None:
+    """The dump folder, the tokenizer's file and a local dataset path (a dry run needs none)."""
+    check_dump_folder(cfg.job.dump_folder)
+    from torchtitan.components.tokenizer import check_tokenizer_file
+
+    check_tokenizer_file(cfg.model)
     for key, path in (
         ("training.dataset_path", cfg.training.dataset_path),
         ("validation.dataset_path", cfg.validation.dataset_path if cfg.validation.enable else None),
@@ -160,15 +194,50 @@ def _check_files(cfg: JobConfig) -> None:
             raise FileNotFoundError(f"{key}={path!r} does not exist: fix --{key}")
     from torchtitan.datasets.mix import parse_dataset_spec
 
-    sections = [("training.dataset", cfg.training)]
-    if cfg.validation.enable:
-        sections.append(("validation.dataset", cfg.validation))
-    for key, section in sections:  # a mix's own NAME=PATH entries
+    for name, section in _dataset_sections(cfg):  # a mix's own NAME=PATH entries
+        key = f"{name}.dataset"
         for source in parse_dataset_spec(section.dataset, section.dataset_path, key):
             if source.path and section.dataset_path is None and not os.path.exists(
                 os.path.expanduser(source.path)
             ):
                 raise FileNotFoundError(f"{key}: {source.name}={source.path} does not exist")
+
+
+def _check_datasets(cfg: JobConfig) -> None:
+    """Each source as the dataloader resolves it: a known name, local files with documents,
+    a streaming Hub dataset that can be reached (after ``custom_import``: it may register)."""
+    from torchtitan.datasets.mix import parse_dataset_spec
+    from torchtitan.datasets.sources import check_source, resolve_dataset
+
+    for name, section in _dataset_sections(cfg):
+        key = f"{name}.dataset"
+        for source in parse_dataset_spec(section.dataset, section.dataset_path, key):
+            check_source(resolve_dataset(source.name, source.path), source.name)
+
+
+def _check_checkpoint(cfg: JobConfig, on_this_machine: bool) -> None:
+    """``exclude_from_loading`` names and, on this machine, what the first
+    ``CheckpointManager.load`` plans: ``initial_load_path`` present and a checkpoint,
+    ``load_step`` there, not a folder of damaged checkpoints only."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpoint.common import (
+        DATALOADER,
+        LR_SCHEDULER,
+        OPTIMIZER,
+        TRAIN_STATE,
+    )
+    from torchtitan.components.checkpoint.load import plan_load
+    from torchtitan.components.checkpoint.manager import CheckpointManager
+
+    ck = cfg.checkpoint
+    # The manager's own rule, on the states the Trainer hands it.
+    trainer = SimpleNamespace(states=dict.fromkeys((OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)))
+    CheckpointManager._parse_exclude(trainer, ck.exclude_from_loading)  # type: ignore[arg-type]
+    if not on_this_machine or ck.create_seed_checkpoint or not (ck.enable or ck.initial_load_path):
+        return
+    folder = os.path.join(cfg.job.dump_folder, ck.folder)
+    plan_load(folder, ck.load_step, ck, resume=ck.enable)
 
 
 def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool = True,
@@ -179,7 +248,8 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
     size the degrees ask for (:func:`default_world_size`).
 
     ``on_this_machine`` adds what depends on where the run starts: device-only features
-    (on ``device_type``, default this machine's) and the tokenizer and dataset files. Leave it
+    (on ``device_type``, default this machine's), the dump folder, the tokenizer file, the
+    datasets and the checkpoint the run would load. Leave it
     off for a dry run (COMM_MODE switches device features off and needs no files) or to check
     a config for another machine. Raises one of :data:`USER_ERRORS` with one line.
     """
@@ -213,6 +283,8 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
                 device_type = detected
             _check_components(cfg, device_type)
             check_lighthouse(cfg.fault_tolerance)
+            _check_datasets(cfg)
+        _check_checkpoint(cfg, on_this_machine)
     return parallel_dims
 
 

@@ -110,6 +110,9 @@ def test_unknown_dataset_lists_known_names():
 def test_c4_loads_from_the_hub_streaming(monkeypatch):
     import datasets
 
+    import torchtitan.datasets.sources as sources
+
+    monkeypatch.setattr(sources, "check_hub", lambda *a, **k: None)  # as if the Hub answered
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or object())
     load_text_dataset(DATASETS["c4"], "c4")

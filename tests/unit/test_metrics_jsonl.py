@@ -36,7 +36,7 @@ def test_rank0_writes_every_logged_step_at_full_precision(dump_folder):
     assert {"tps", "memory/peak_gib", "time/step_s"} <= set(records[0])
 
 
-def test_fresh_run_truncates_resumed_run_appends_other_ranks_write_nothing(dump_folder):
+def test_resumed_run_appends_other_ranks_write_nothing(dump_folder):
     mp = _processor(dump_folder)
     mp.log(1, 9.0, 1.0, 1e-4)
     mp.close()
@@ -44,11 +44,31 @@ def test_fresh_run_truncates_resumed_run_appends_other_ranks_write_nothing(dump_
     resumed.log(2, 8.0, 1.0, 1e-4)
     resumed.close()
     assert [r["loss"] for r in _records(dump_folder)] == [9.0, 8.0]
-    fresh = _processor(dump_folder)
-    fresh.log(1, 7.0, 1.0, 1e-4)
-    fresh.close()
-    assert [r["loss"] for r in _records(dump_folder)] == [7.0]
+    assert not (dump_folder / f"{METRICS_JSONL}.1").exists()
     other = _processor(dump_folder / "rank1", rank=1)
     other.log(1, 7.0, 1.0, 1e-4)
     other.close()
     assert not (dump_folder / "rank1" / METRICS_JSONL).exists()
+
+
+def test_a_new_run_moves_earlier_runs_aside_never_truncates(dump_folder, caplog):
+    """Each run that starts at step 1 in the same dump folder keeps the earlier ones:
+    metrics.jsonl.1 is the previous run, .2 the one before."""
+    import logging
+
+    for loss in (9.0, 8.0, 7.0):
+        mp = _processor(dump_folder)
+        with caplog.at_level(logging.INFO):
+            mp.log(1, loss, 1.0, 1e-4)
+        mp.log(2, loss - 0.5, 1.0, 1e-4)
+        mp.close()
+    assert [r["loss"] for r in _records(dump_folder)] == [7.0, 6.5]
+    older = [
+        [json.loads(line)["loss"] for line in (dump_folder / f"{METRICS_JSONL}.{k}").read_text().splitlines()]
+        for k in (1, 2)
+    ]
+    assert older == [[8.0, 7.5], [9.0, 8.5]]
+    assert not (dump_folder / f"{METRICS_JSONL}.3").exists()
+    moved = [m for m in caplog.messages if m.startswith("Metrics:")]
+    path = dump_folder / METRICS_JSONL
+    assert moved == [f"Metrics: this run starts at step 1; the earlier {path} is now {path}.1"] * 2

@@ -3,6 +3,8 @@
 Rank 0 always writes ``{dump_folder}/metrics.jsonl``: one JSON object per logged step with
 ``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens`` (global tokens seen so far) and the other
 metrics, at full precision (``scripts/loss_compare.py`` reads it; the console shows 4 decimals).
+A run that starts at step 1 moves an earlier run's file to ``metrics.jsonl.1`` (older ones to
+``.2``, ``.3``, ...); a resumed run appends.
 """
 
 from __future__ import annotations
@@ -64,9 +66,24 @@ def _json_number(value: float) -> float | int | str:
     return value
 
 
+def rotate(path: str) -> str | None:
+    """Move a non-empty ``path`` to ``path.1``, shifting ``path.1`` to ``path.2`` and so on
+    (nothing is overwritten); returns where it went (None: nothing to move)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    for k in range(n, 1, -1):
+        os.replace(f"{path}.{k - 1}", f"{path}.{k}")
+    os.replace(path, f"{path}.1")
+    return f"{path}.1"
+
+
 class JSONLLogger(BaseLogger):
-    """Appends one JSON object per logged step to ``path``; a run that starts at step 1
-    truncates the file first (a resumed run appends, so its earlier steps stay)."""
+    """Appends one JSON object per logged step to ``path``. A run that starts at step 1
+    first moves an earlier run's file aside (:func:`rotate`); a resumed run appends, so its
+    earlier steps stay."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -75,7 +92,9 @@ class JSONLLogger(BaseLogger):
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.file is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self.file = open(self.path, "w" if step <= 1 else "a", encoding="utf-8")  # noqa: SIM115
+            if step <= 1 and (moved := rotate(self.path)):
+                logger.info(f"Metrics: this run starts at step 1; the earlier {self.path} is now {moved}")
+            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         record = {"step": step}
         for key, value in metrics.items():
             record[key] = _json_number(value if isinstance(value, int) else float(value))
@@ -115,6 +134,9 @@ class MetricsProcessor:
         """``compute_dtype`` is the dtype the model's matmuls run in
         (``distributed.mixed_precision.compute_dtype``): MFU is measured against the device's
         peak for that dtype."""
+        from torchtitan.preflight import check_dump_folder
+
+        check_dump_folder(job_config.job.dump_folder)  # not after the first step's work
         self.cfg = job_config.metrics
         self.color = _Color(not self.cfg.disable_color_printing)
         self.memory_monitor = MemoryMonitor()

@@ -32,6 +32,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "TikTokenTokenizer",
     "build_tokenizer",
+    "check_tokenizer_file",
     "detect_tokenizer_kind",
     "LLAMA3_PAT_STR",
     "LLAMA3_SPECIAL_TOKENS",
@@ -348,6 +349,16 @@ def detect_tokenizer_kind(path: str | Path) -> str:
         f"Tokenizer file {path} is neither a tiktoken ranks file, a sentencepiece model "
         "nor a HF tokenizer.json."
     )
+
+
+def check_tokenizer_file(model_cfg: Model) -> Path:
+    """The tokenizer file ``build_tokenizer`` reads, checked without building the tokenizer:
+    present, not empty, one of the three formats (a ``tokenizer.json`` is parsed as JSON).
+    The pre-flight runs it; one-line errors as ``build_tokenizer``'s."""
+    path = _tokenizer_file(model_cfg)
+    if detect_tokenizer_kind(path) == "huggingface":
+        _check_hf_json(path)
+    return path
 
 
 def build_tokenizer(model_cfg: Model) -> BaseTokenizer:

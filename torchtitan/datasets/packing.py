@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchtitan.datasets import text_checks
 from torchtitan.datasets.mix import pick_source
-from torchtitan.datasets.sources import DatasetConfig, load_text_dataset
+from torchtitan.datasets.sources import DatasetConfig, data_files, describe, load_text_dataset
 
 if TYPE_CHECKING:
     from torchtitan.components.tokenizer import BaseTokenizer
@@ -52,6 +52,7 @@ class DocumentSource:
 
         self.name, self.cfg, self.tokenizer = name, cfg, tokenizer
         self.infinite, self.dp_rank = infinite, dp_rank
+        self.origin = describe(cfg)  # saved with the position: a resume onto other data is named
         ds = load_text_dataset(cfg, name)
         self.streaming = isinstance(ds, datasets.IterableDataset)
         self._data = ds if self.streaming else ds.select_columns([cfg.text_column])
@@ -84,6 +85,17 @@ class DocumentSource:
     _END = object()
 
     def _next_text(self) -> Any:
+        try:
+            return self._read_text()
+        except UnicodeDecodeError as err:  # HF keeps the bytes; they fail only when read
+            files = data_files(self.cfg, self.name)
+            if files:
+                raise text_checks.not_utf8_error(files, err) from None
+            raise ValueError(
+                f"Dataset {self.name} ({self.origin}): document {self.docs} is not UTF-8 text ({err})"
+            ) from None
+
+    def _read_text(self) -> Any:
         if self.streaming:
             if self._iter is None:
                 self._data.load_state_dict(self._hf_state or {})  # falsy: the pass's start
@@ -217,6 +229,7 @@ class SequenceStream:
         return {
             "position": self.position,
             "sources": {n: s.state_dict() for n, s in self.streams.items()},
+            "origins": {n: s.source.origin for n, s in self.streams.items()},
             "weights": dict(zip(self.names, self.weights)),
             "seed": self.seed,
         }
@@ -224,10 +237,30 @@ class SequenceStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
         saved = state["sources"]
+        origins = {n: s.source.origin for n, s in self.streams.items()}
+        saved_origins = state.get("origins", {})  # absent in states of older torchtitan
         for name, stream in self.streams.items():
             if name in saved:
                 stream.load_state_dict(saved[name])
-            else:
+                was = saved_origins.get(name, origins[name])
+                if was != origins[name]:
+                    logger.warning(
+                        "Data stream: dataset %s was %s in the checkpoint and is %s now; it "
+                        "resumes at document %s of pass %s of the new data (start it over with "
+                        "--checkpoint.exclude_from_loading dataloader)",
+                        name, was, origins[name], saved[name]["docs"], saved[name]["epoch"],
+                    )
+        if len(saved) == 1 and len(self.streams) == 1 and set(saved) != set(self.streams):
+            (old,), (new,) = saved, self.streams
+            was = f" ({saved_origins[old]})" if old in saved_origins else ""
+            logger.warning(
+                "Data stream: the checkpoint read dataset %s%s, this run reads %s (%s); %s starts "
+                "at its beginning and gives the sequences from %d on",
+                old, was, new, origins[new], new, self.position,
+            )
+            return
+        for name in self.streams:
+            if name not in saved:
                 logger.info("Data stream: source %s is new; it starts at its beginning.", name)
         dropped = sorted(set(saved) - set(self.streams))
         if dropped:

@@ -4,12 +4,24 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torchtitan.datasets import text_checks
 
-__all__ = ["DATASETS", "DatasetConfig", "load_text_dataset", "resolve_dataset"]
+__all__ = [
+    "DATASETS",
+    "DatasetConfig",
+    "check_hub",
+    "check_source",
+    "data_files",
+    "describe",
+    "load_text_dataset",
+    "local_files",
+    "resolve_dataset",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,8 +88,8 @@ def resolve_dataset(dataset_name: str, dataset_path: str | None = None) -> Datas
         return replace(base, path=dataset_path, local=True, hf_name=None, split="train")
     if dataset_name not in DATASETS:
         raise ValueError(
-            f"Unknown dataset {dataset_name!r}: use one of {sorted(DATASETS)} "
-            "or give a local file/folder with --training.dataset_path."
+            f"Unknown dataset {dataset_name!r}: use one of {sorted(DATASETS)}, or give its local "
+            "file/folder with --training.dataset_path (in a mix: NAME=PATH:WEIGHT)."
         )
     return DATASETS[dataset_name]
 
@@ -121,12 +133,14 @@ def _no_download_count():
         hf_config.HF_UPDATE_DOWNLOAD_COUNTS = old
 
 
-def _load_local(path: Path, streaming: bool, column: str = "text"):
-    import datasets
+def _saved_dataset(path: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk``."""
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
-    if path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
-        ds = datasets.load_from_disk(str(path))  # written by Dataset.save_to_disk
-        return ds.to_iterable_dataset() if streaming else ds
+
+def local_files(path: Path) -> list[Path]:
+    """The data files of the local dataset at ``path`` (a file, or a folder's files in sorted
+    order), checked: one known format, none empty; one-line errors otherwise."""
     if path.is_dir():
         files = sorted(
             p
@@ -151,10 +165,95 @@ def _load_local(path: Path, streaming: bool, column: str = "text"):
             f"Dataset folder {path} mixes file formats ({sorted(builders)}); keep one format."
         )
     text_checks.check_not_empty(files)
+    return files
+
+
+def data_files(cfg: DatasetConfig, dataset_name: str = "") -> list[Path]:
+    """The files of a local dataset (none for a ``save_to_disk`` folder or a Hub dataset)."""
+    if not cfg.local:
+        return []
+    path = _local_path(cfg, dataset_name)
+    return [] if _saved_dataset(path) else local_files(path)
+
+
+def _hub_offline() -> bool:
+    return any(
+        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def _probe_hub(url: str, timeout: float) -> str | None:
+    """None when ``url`` answers within ``timeout`` seconds (any HTTP status below 500), else
+    why not. Through huggingface_hub's own HTTP session (its proxies and certificates)."""
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            from huggingface_hub import get_session
+
+            status = get_session().head(url, timeout=timeout).status_code
+            result.append(None if status < 500 else f"it answered HTTP {status}")
+        except Exception as err:  # noqa: BLE001 - any failure to get an answer counts
+            detail = (str(err).strip().splitlines() or [""])[0]
+            result.append(f"{type(err).__name__}: {detail}" if detail else type(err).__name__)
+
+    thread = threading.Thread(target=probe, daemon=True)  # bounds DNS look-ups as well
+    thread.start()
+    thread.join(timeout + 1)
+    return result[0] if result else f"no answer within {timeout:g} s"
+
+
+def check_hub(cfg: DatasetConfig, dataset_name: str = "", timeout: float = 5.0) -> None:
+    """A streaming Hub dataset reads the Hub as it trains: one line, in seconds, when offline
+    mode is set or the Hub does not answer (HF ``datasets`` would retry for half a minute)."""
+    if cfg.local or not cfg.streaming:  # map-style Hub data may come from the local cache
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    if _hub_offline():
+        why = "offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+    else:
+        why = _probe_hub(f"{endpoint}/api/datasets/{cfg.path}", timeout)
+        if why is None:
+            return
+        why = f"the Hub ({endpoint}) is unreachable ({why})"
+    name = dataset_name or cfg.path
+    raise ValueError(
+        f"dataset {name!r} streams {cfg.path} from the Hugging Face Hub, but {why}: train on "
+        "local data instead: --training.dataset c4_test (the bundled sample; "
+        "c4_test_validation for validation), or a local copy with --training.dataset_path "
+        "(--validation.dataset_path)"
+    )
+
+
+def check_source(cfg: DatasetConfig, dataset_name: str = "") -> None:
+    """What can be checked of a dataset before reading it: a local one's files (present, one
+    format, not empty), a streaming Hub one's reachability."""
+    if cfg.local:
+        data_files(cfg, dataset_name)
+    else:
+        check_hub(cfg, dataset_name)
+
+
+def describe(cfg: DatasetConfig) -> str:
+    """Where a dataset's documents come from, e.g. ``allenai/c4 (en, train)`` or a path."""
+    if cfg.local:
+        return cfg.path
+    return f"{cfg.path} ({', '.join(x for x in (cfg.hf_name, cfg.split) if x)})"
+
+
+def _load_local(path: Path, streaming: bool, column: str = "text"):
+    import datasets
+
+    if _saved_dataset(path):
+        ds = datasets.load_from_disk(str(path))  # written by Dataset.save_to_disk
+        return ds.to_iterable_dataset() if streaming else ds
+    files = local_files(path)
     try:
         with _no_download_count():
             ds = datasets.load_dataset(
-                builders.pop(), data_files=[str(f) for f in files], split="train", streaming=streaming
+                _builder_for(files[0]), data_files=[str(f) for f in files], split="train",
+                streaming=streaming,
             )
     except Exception as err:  # noqa: BLE001 - HF/pyarrow errors are many lines: name the bad line
         raise text_checks.explain_load_failure(files, column, err) from None
@@ -169,9 +268,16 @@ def load_text_dataset(cfg: DatasetConfig, dataset_name: str = ""):
     else:
         import datasets
 
-        ds = datasets.load_dataset(
-            cfg.path, name=cfg.hf_name, split=cfg.split, streaming=cfg.streaming
-        )
+        check_hub(cfg, dataset_name)
+        try:
+            ds = datasets.load_dataset(
+                cfg.path, name=cfg.hf_name, split=cfg.split, streaming=cfg.streaming
+            )
+        except ConnectionError as err:  # offline without a cached copy: one line, not 60
+            raise ValueError(
+                f"Dataset {dataset_name or cfg.path}: {err}; use a local copy with "
+                "--training.dataset_path (--validation.dataset_path)"
+            ) from None
     columns = getattr(ds, "column_names", None)
     if columns is not None and cfg.text_column not in columns:
         raise ValueError(

@@ -7,7 +7,9 @@ Policy (docs/datasets.md):
 * a line that is not JSON, or a text that is not a string (a number, a list, an object), **stops
   the job** with the file, the line number and how many lines are bad: dropping such lines
   silently usually hides a broken export;
-* an empty file, and a whole pass over the data that yields no token at all (every document
+* a line that is not UTF-8 stops the job with the file and the line (HF reads such bytes
+  without complaint and fails only when the text is used);
+* an empty file (no bytes, only whitespace, or a parquet file without rows), and a whole pass over the data that yields no token at all (every document
   empty: the loader would re-loop forever), stop the job naming the file.
 
 The line scans run only on an error path (or when HF ``datasets`` inferred a non-string column),
@@ -52,10 +54,64 @@ def _is_json_lines(path: Path) -> bool:
     return not head.startswith("[")  # a single JSON array is not line-oriented
 
 
+def _blank(path: Path) -> bool:
+    """Nothing but whitespace in a text file (read until the first other byte)."""
+    import gzip
+
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def check_not_empty(files: list[Path]) -> None:
+    """Each file holds something: not 0 bytes, not only whitespace, a parquet file has rows."""
     for path in files:
         if path.stat().st_size == 0:
             raise ValueError(f"Dataset file {path} is empty (0 bytes): it holds no documents.")
+        if path.name.lower().endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(path).metadata.num_rows
+            except Exception:  # noqa: BLE001 - not parquet: HF names the problem when loading
+                continue
+            if rows == 0:
+                raise ValueError(f"Dataset file {path} has no rows: it holds no documents.")
+        elif _blank(path):
+            raise ValueError(f"Dataset file {path} holds only whitespace: it holds no documents.")
+
+
+def _not_utf8(files: list[Path]) -> list[str]:
+    """Descriptions of the lines of text ``files`` that are not UTF-8."""
+    import gzip
+
+    bad: list[str] = []
+    for path in files:
+        if path.name.lower().endswith(".parquet"):
+            continue
+        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    bad.append(
+                        f"{path}:{lineno}: not UTF-8 (byte 0x{line[err.start]:02x} at column "
+                        f"{err.start + 1})"
+                    )
+    return bad
+
+
+def not_utf8_error(files: list[Path], err: UnicodeDecodeError | None = None) -> ValueError:
+    """Text that failed to decode: the file and line in one line (``err`` when none is found)."""
+    bad = _not_utf8(files)
+    if not bad:
+        return ValueError(f"Dataset files {', '.join(map(str, files))} are not UTF-8 text ({err})")
+    more = f"; {len(bad)} lines are not UTF-8 in all" if len(bad) > 1 else ""
+    return ValueError(
+        f"Dataset {bad[0]}{more}. Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+    )
 
 
 def _scan(files: list[Path], column: str) -> tuple[list[str], list[str]]:
@@ -88,6 +144,8 @@ def _summary(bad: list[str], what: str) -> str:
 
 def explain_load_failure(files: list[Path], column: str, err: BaseException) -> ValueError:
     """HF ``datasets`` failed to read local ``files``: the bad line, in one line."""
+    if _not_utf8(files):
+        return not_utf8_error(files)
     not_json, not_text = _scan(files, column)
     if not_json:
         return ValueError(f"Dataset {_summary(not_json, 'not JSON')}")
