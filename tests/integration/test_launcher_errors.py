@@ -87,6 +87,13 @@ PREFLIGHT_CASES = {
     "missing-dataset": (
         ["--training.dataset_path", "./nowhere.jsonl"], "training.dataset_path='./nowhere.jsonl'"
     ),
+    "unknown-name-in-a-mix": (
+        ["--training.dataset", "c4_test:0.5,nope:0.5"], "Unknown dataset 'nope': use one of"
+    ),
+    "exclude-from-loading-typo": (
+        ["--checkpoint.exclude_from_loading", "optimzer"],
+        "checkpoint.exclude_from_loading has unknown name(s) ['optimzer']",
+    ),
     "async-tp-on-cpu": (
         ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
          "--compile.enable"],
@@ -123,12 +130,42 @@ def test_failure_on_rank_1_only_reaches_the_rank_0_console(launch_env, dump_fold
     assert errors, f"no per-rank error file under {log_dir}"
 
 
+def _bad_files(tmp_path, case: str) -> tuple[list[str], dict, str]:
+    """(flags, environment, expected line) of a run whose files the pre-flight refuses."""
+    if case == "dump-folder-is-a-file":
+        path = tmp_path / "file"
+        path.write_text("x")
+        return ["--job.dump_folder", str(path)], {}, f"job.dump_folder={path} is a file"
+    if case == "garbage-tokenizer":
+        (tmp_path / "tokenizer.model").write_text("not a tokenizer\n")
+        return ["--model.hf_assets_path", str(tmp_path)], {}, "is neither a tiktoken ranks file"
+    if case == "empty-dataset":
+        (tmp_path / "empty.jsonl").write_text("\n\n")
+        return (["--training.dataset_path", str(tmp_path / "empty.jsonl")], {},
+                "holds only whitespace: it holds no documents")
+    assert case == "c4-offline"
+    return (["--training.dataset", "c4"], {"HF_HUB_OFFLINE": "1"},
+            "dataset 'c4' streams allenai/c4 from the Hugging Face Hub, but offline mode is set")
+
+
+@pytest.mark.parametrize(
+    "case", ["dump-folder-is-a-file", "garbage-tokenizer", "empty-dataset", "c4-offline"]
+)
+def test_bad_files_are_one_line_before_torchrun(launch_env, dump_folder, tmp_path, case):
+    args, env, message = _bad_files(tmp_path, case)
+    code, out = run_train(["--job.dump_folder", str(dump_folder), *args], dict(launch_env, **env))
+    line = assert_one_error_line(code, out, message)
+    assert line.startswith("error: "), line
+    assert "[rank" not in out, out[-3000:]
+
+
 def test_error_inside_every_rank_is_shown_once(launch_env, dump_folder, tmp_path):
-    bad = tmp_path / "tokenizer.model"
-    bad.write_text("not a tokenizer\n")
+    """Text that is not UTF-8 shows only when a rank reads it (the pre-flight reads no data)."""
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"text": "caf\u00e9 au lait"}\n'.encode("latin-1") * 50)
     code, out = run_train(
-        ["--model.hf_assets_path", str(tmp_path), "--job.dump_folder", str(dump_folder)],
+        ["--training.dataset_path", str(bad), "--job.dump_folder", str(dump_folder)],
         launch_env,
     )
-    line = assert_one_error_line(code, out, "is neither a tiktoken ranks file")
+    line = assert_one_error_line(code, out, f"{bad}:1: not UTF-8 (byte 0xe9 at column 14)")
     assert line.startswith("[rank0]:")  # rank 0 said it; the launcher does not repeat it
