@@ -3,7 +3,11 @@
     python scripts/convert_dcp_to_hf.py CKPT_DIR OUT_DIR --flavor 8B \\
         --tokenizer ./assets/hf/Llama-3.1-8B [--dtype bfloat16]
 
-``CKPT_DIR`` is one ``step-N`` folder (any parallel layout: DCP reassembles full tensors).
+``CKPT_DIR`` is one ``step-N`` folder (any parallel layout: DCP reassembles full tensors). It is
+verified first as the trainer verifies a checkpoint before loading it (the files, sizes and
+CRC32s its ``.committed`` lists): a damaged one is refused, nothing written. ``--model`` is
+found from the checkpoint's weight names (``q_norm``: qwen3, MLA's ``wkv_a``: deepseek_v3, else
+llama3); one that disagrees is refused naming the right one.
 ``OUT_DIR`` receives the same files as ``checkpoint.last_save_in_hf``: ``model.safetensors`` (or
 shards plus an index), ``config.json`` (architecture, ``dtype``, the flavor's context length as
 ``max_position_embeddings``, BOS/EOS ids), ``generation_config.json`` (stops at EOS and, for
@@ -17,6 +21,9 @@ checkpoint's ``.committed`` marker. Without ``--flavor`` that recorded architect
 custom flavors export as they are; ``--experimental.custom_import MODULE`` imports a module
 that registers a model or flavors first (as in training). The vocabulary size of debug flavors
 (sized by their tokenizer) is read from the checkpoint's embedding.
+
+What HF's format cannot hold is refused unless ``--allow-lossy``: a trained (non-zero) routing
+bias of Qwen3-MoE or DeepSeek-V2, whose HF models route without one.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torchtitan.components.checkpoint import fs, hf, load  # noqa: E402
+from torchtitan.components.checkpoint import fs, hf, hf_check, load  # noqa: E402
 from torchtitan.models import get_model_spec  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,17 +137,43 @@ def resolve_args(
     return args
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+_KNOWN = {"llama3": "llama3", "llama2": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
+"""model.name -> the model whose weight names it has (models registered by custom imports are
+taken at their word)."""
+
+
+def pick_model(ckpt_dir: str, model: str | None) -> str:
+    """``model``, or the model the checkpoint's weight names belong to; ValueError in one line
+    when they disagree (``this checkpoint is a qwen3 model; pass --model qwen3``)."""
+    found = hf_check.model_of_fqns(load.dcp_model_keys(load.read_dcp_metadata(ckpt_dir)))
+    if model is None:
+        if found is None:
+            raise ValueError(f"cannot tell the model of {ckpt_dir} from its weight names; pass --model")
+        return found
+    if found is not None and model in _KNOWN and _KNOWN[model] != found:
+        raise ValueError(f"this checkpoint is a {found} model; pass --model {found}")
+    return model
+
+
 def convert_dcp_to_hf(
     ckpt_dir: str,
     out_dir: str,
     flavor: str | None = None,
     dtype: str = "float32",
     tokenizer_path: str | None = None,
-    model: str = "llama3",
+    model: str | None = None,
+    allow_lossy: bool = False,
 ) -> list[str]:
     """Write ``out_dir`` (see the module docstring) from DCP ``ckpt_dir``; returns file names."""
     if not os.path.exists(os.path.join(ckpt_dir, fs.DCP_METADATA)):
         raise FileNotFoundError(f"{ckpt_dir} has no {fs.DCP_METADATA}: not a DCP checkpoint folder")
+    if not hf.verify_for_export(ckpt_dir):
+        _warn(f"{ckpt_dir} records no checksums in a {fs.COMMIT_MARKER}: its files cannot be verified")
+    model = pick_model(ckpt_dir, model)
     spec = get_model_spec(model)
     if spec.state_dict_adapter is None:
         raise ValueError(f"model {model} has no HF state-dict adapter")
@@ -159,7 +192,8 @@ def convert_dcp_to_hf(
                 f"the tokenizer {tokenizer_path} has {tokenizer.vocab_size} ids, the checkpoint's "
                 f"vocabulary only {args.vocab_size}: is it the run's tokenizer?"
             )
-    return hf.write_hf_folder(out_dir, weights, spec.state_dict_adapter(args), dtype, tokenizer)
+    adapter = spec.state_dict_adapter(args)
+    return hf.write_hf_folder(out_dir, weights, adapter, dtype, tokenizer, allow_lossy, _warn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="HF folder to write")
     parser.add_argument("--flavor", default=None,
                         help="flavor the checkpoint was trained with (default: the recorded architecture)")
-    parser.add_argument("--model", default="llama3", help="model.name (default llama3)")
+    parser.add_argument("--model", default=None,
+                        help="model.name (default: found from the checkpoint's weight names)")
+    parser.add_argument("--allow-lossy", action="store_true",
+                        help="export even what HF cannot hold exactly (a trained routing bias is dropped)")
     parser.add_argument("--tokenizer", default=None,
                         help="the run's model.hf_assets_path (folder) or tokenizer file")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
@@ -182,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         if ns.custom_import:
             sys.path.insert(0, os.getcwd())  # as for `python -m torchtitan.train`
             importlib.import_module(ns.custom_import)
-        files = convert_dcp_to_hf(ns.ckpt_dir, ns.out_dir, ns.flavor, ns.dtype, ns.tokenizer, ns.model)
-    except (FileNotFoundError, ValueError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        files = convert_dcp_to_hf(
+            ns.ckpt_dir, ns.out_dir, ns.flavor, ns.dtype, ns.tokenizer, ns.model, ns.allow_lossy
+        )
+    except hf.LossyExportError as err:
+        print(f"error: {err} (pass --allow-lossy to export it anyway)", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, ImportError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     print(f"wrote {', '.join(files)} to {ns.out_dir} in {time.perf_counter() - start:.1f} s")
     if ns.tokenizer is None:

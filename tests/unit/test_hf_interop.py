@@ -180,10 +180,12 @@ def test_checkpoint_manager_hf_initial_load_and_last_save(tmp_path):
 
 
 def test_hf_load_into_another_shape_is_one_clear_error(tmp_path):
-    """The HF load uses the same shape check as DCP loads: key, both shapes, the path."""
+    """The HF load uses the same shape check as DCP loads: key, both shapes, the path (without
+    a config.json, which would be refused first: test_hf_boundary.py)."""
     _, folder = _hf_model(tmp_path)
     args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))
     args = type(args)(**{**args.__dict__, "vocab_size": 2 * VOCAB})
+    (folder / "config.json").unlink()
     cfg = Checkpoint(enable=True, initial_load_path=str(folder), initial_load_in_hf=True)
     manager = CheckpointManager(
         None, [Transformer(args)], None, None, {}, cfg, str(tmp_path / "run"), Llama3StateDictAdapter(args)

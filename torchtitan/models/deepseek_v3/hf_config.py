@@ -3,6 +3,7 @@ routing) <-> ``DeepSeekV3ModelArgs``."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torchtitan.models.common.moe import MoEArgs
@@ -108,6 +109,27 @@ def model_args_from_hf_config(config: dict[str, Any]) -> DeepSeekV3ModelArgs:
     return args
 
 
+def _hf_mscales(factor: float, mscale_all_dim: float, attention_factor: float) -> dict[str, float]:
+    """HF YaRN's ``mscale`` / ``mscale_all_dim`` (the keys published configs carry) that give
+    ``attention_factor``; ``attention_factor`` itself only where they cannot express it, so an
+    HF -> torchtitan -> HF round trip gives back the same keys and values."""
+    out: dict[str, float] = {}
+    if mscale_all_dim:
+        out["mscale_all_dim"] = mscale_all_dim
+        ms = mscale_all_dim
+        if factor > 1:  # invert attention_factor = get_mscale(f, ms) / get_mscale(f, ms_all)
+            ln = 0.1 * math.log(factor)
+            ms = round((attention_factor * (ln * mscale_all_dim + 1.0) - 1.0) / ln, 12)
+        ratio = yarn_get_mscale(factor, ms) / yarn_get_mscale(factor, mscale_all_dim)
+        if ms > 0 and math.isclose(ratio, attention_factor, rel_tol=1e-9):
+            out["mscale"] = ms
+            return out
+    elif math.isclose(attention_factor, yarn_get_mscale(factor), rel_tol=1e-9):
+        return out  # HF's default when neither mscale is given
+    out["attention_factor"] = attention_factor
+    return out
+
+
 def hf_config_from_model_args(
     args: DeepSeekV3ModelArgs, dtype: str = "float32", rope_interleave: bool = True
 ) -> dict[str, Any]:
@@ -164,8 +186,7 @@ def hf_config_from_model_args(
             rope_type="yarn", factor=args.rope_factor,
             original_max_position_embeddings=args.original_seq_len,
             beta_fast=args.beta_fast, beta_slow=args.beta_slow,
-            mscale=args.mscale, mscale_all_dim=args.mscale,
-            attention_factor=args.rope_attention_factor,
+            **_hf_mscales(args.rope_factor, args.mscale, args.rope_attention_factor),
         )
     config["rope_parameters"] = rope
     config["rope_scaling"] = rope if args.yarn is not None else None  # older readers

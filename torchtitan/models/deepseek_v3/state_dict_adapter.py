@@ -10,7 +10,8 @@ in-memory layout (``mlp.experts.gate_up_proj`` / ``down_proj``), dequantizes FP8
 
 RoPE: DeepSeek checkpoints store the rope part of ``q``/``k`` with interleaved pairs, which is
 what our complex rotation uses and what HF reads with ``rope_interleave=True``; for
-``rope_interleave=False`` checkpoints the rope rows are permuted (as for Llama).
+``rope_interleave=False`` checkpoints the rope rows are permuted (as for Llama). An import takes
+the layout from the imported folder's ``config.json`` (``with_hf_layout``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from torchtitan.models.deepseek_v3.hf_config import (
     hf_config_from_model_args,
     model_args_from_hf_config,
 )
-from torchtitan.tools.logging import logger
 
 # ours -> HF; layer-relative names.
 _LAYER_MAP = {
@@ -74,13 +74,21 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tenso
     return (weight.float() * scale).to(torch.bfloat16)
 
 
+def rope_interleave_of(config: dict[str, Any]) -> bool:
+    """The RoPE layout of an HF config: ``rope_interleave`` (default True); DeepseekV2 reads
+    interleaved pairs whatever it says."""
+    if config.get("model_type") == "deepseek_v2":
+        return True
+    return bool(config.get("rope_interleave", True))
+
+
 def _config_rope_interleave(hf_assets_path: str | None) -> bool:
     """``rope_interleave`` of the ``config.json`` in ``hf_assets_path`` (True if absent)."""
     path = os.path.join(hf_assets_path, "config.json") if hf_assets_path else None
     if path is None or not os.path.isfile(path):
         return True
     with open(path) as f:
-        return bool(json.load(f).get("rope_interleave", True))
+        return rope_interleave_of(json.load(f))
 
 
 def _permute_rope_rows(w: torch.Tensor, start: int, rope_dim: int, period: int, to_hf: bool):
@@ -120,8 +128,12 @@ class DeepSeekV3StateDictAdapter:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> DeepSeekV3StateDictAdapter:
         """The adapter (model args and RoPE layout) for an HF ``config.json`` dict."""
-        return cls(model_args_from_hf_config(config),
-                   rope_interleave=bool(config.get("rope_interleave", True)))
+        return cls(model_args_from_hf_config(config), rope_interleave=rope_interleave_of(config))
+
+    def with_hf_layout(self, config: dict[str, Any]) -> DeepSeekV3StateDictAdapter:
+        """This adapter (same model args) for weights stored as HF ``config`` says: the RoPE
+        layout of the folder being imported, not of ``hf_assets_path``."""
+        return type(self)(self.model_args, self.hf_assets_path, rope_interleave_of(config))
 
     # --- rope layout ---------------------------------------------------------------------
     def _convert_rope(self, ours_name: str, w: torch.Tensor, to_hf: bool) -> torch.Tensor:
@@ -139,14 +151,12 @@ class DeepSeekV3StateDictAdapter:
         hf: dict[str, torch.Tensor] = {}
         unknown: list[str] = []
         v2 = self.model_args.moe_args.score_func == "softmax"  # DeepseekV2: no routing bias
-        bias_max = 0.0
         for key, value in state_dict.items():
             if key in _TOP_MAP:
                 hf[_TOP_MAP[key]] = value
                 continue
             if v2 and key.endswith(".moe.expert_bias"):
-                bias_max = max(bias_max, float(value.abs().max()))
-                continue
+                continue  # see dropped_by_export
             m = _OURS_LAYER_RE.match(key)
             if m is None:
                 unknown.append(key)
@@ -165,12 +175,23 @@ class DeepSeekV3StateDictAdapter:
             raise ValueError(
                 f"cannot map {len(unknown)} key(s) to HF DeepSeek-V3 names, e.g. {unknown[:3]}"
             )
-        if bias_max > 0:
-            logger.warning(
-                "HF DeepseekV2 routes without a bias: the export drops the trained load-balancing "
-                f"bias (max |bias| {bias_max:.3g}), so its expert choice can differ from training"
-            )
         return hf
+
+    def dropped_by_export(self, state_dict: dict[str, torch.Tensor]) -> str:
+        """What ``to_hf`` loses of ``state_dict``: DeepseekV2's missing routing bias when the
+        trained one is not zero ("" when nothing is lost)."""
+        if self.model_args.moe_args.score_func != "softmax":
+            return ""
+        biased = [v for k, v in state_dict.items() if k.endswith(".moe.expert_bias")
+                  and v.numel() and v.abs().max() > 0]
+        if not biased:
+            return ""
+        top = max(float(v.abs().max()) for v in biased)
+        return (
+            f"the load-balancing expert_bias of {len(biased)} MoE layer(s) is not zero (max "
+            f"|bias| {top:.3g}), but HF DeepseekV2 routes without a bias: the exported model "
+            "would route tokens to other experts"
+        )
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names -> our FQNs (per-expert or fused experts stacked; FP8 dequantized; the

@@ -157,6 +157,8 @@ class Llama3StateDictAdapter:
     ``to_hf``/``from_hf`` take and return plain (full, unsharded) tensors keyed by name.
     """
 
+    args_from_hf_config = staticmethod(model_args_from_hf_config)
+
     def __init__(self, model_args: TransformerModelArgs, hf_assets_path: str | None = None):
         self.model_args = model_args
         self.hf_assets_path = hf_assets_path

@@ -9,8 +9,9 @@ and ``mlp.experts.down_proj`` ``[E, D, I]``, i.e. ``model.state_dict()``). Our R
 HF's rotate-half pairing, so no weight is permuted.
 
 HF Qwen3-MoE has no routing bias: ``from_hf`` gives every MoE layer a zero ``expert_bias``
-(routing then equals HF's), and ``to_hf`` drops it, warning when it is not zero (a model
-trained with ``load_balance_coeff`` then routes differently in transformers).
+(routing then equals HF's), and ``to_hf`` drops it; ``dropped_by_export`` says when it is not
+zero (a model trained with ``load_balance_coeff`` then routes differently in transformers, so
+exports refuse it unless asked to be lossy).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
-from torchtitan.tools.logging import logger
 
 # ours -> HF; inside "model.layers.{i}."
 _LAYER_MAP = {
@@ -171,7 +171,6 @@ class Qwen3StateDictAdapter:
             _check_hf_moe(self.model_args.moe_args)
         hf: dict[str, torch.Tensor] = {}
         unknown: list[str] = []
-        biased: list[str] = []
         for key, value in state_dict.items():
             if key in _TOP_MAP:
                 if key == "output.weight" and self.model_args.tie_word_embeddings:
@@ -190,21 +189,26 @@ class Qwen3StateDictAdapter:
                 proj = _EXPERT_MAP[rest.rsplit(".", 1)[1]]
                 for j in range(value.shape[0]):
                     hf[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j]
-            elif rest == "moe.expert_bias":
-                if value.abs().max() > 0:
-                    biased.append(layer)
-            else:
+            elif rest != "moe.expert_bias":  # HF has none (see dropped_by_export)
                 unknown.append(key)
         if unknown:
             raise ValueError(
                 f"cannot map {len(unknown)} key(s) to HF Qwen3 names, e.g. {unknown[:3]}"
             )
-        if biased:
-            logger.warning(
-                f"the load-balancing expert_bias of {len(biased)} MoE layer(s) is not zero, but "
-                "HF Qwen3-MoE has no routing bias: the exported model routes tokens without it"
-            )
         return hf
+
+    def dropped_by_export(self, state_dict: dict[str, torch.Tensor]) -> str:
+        """What ``to_hf`` loses of ``state_dict``: a non-zero routing bias ("" when nothing)."""
+        biases = [v for k, v in state_dict.items() if k.endswith(".moe.expert_bias")]
+        biased = [v for v in biases if v.numel() and v.abs().max() > 0]
+        if not biased:
+            return ""
+        top = max(float(v.abs().max()) for v in biased)
+        return (
+            f"the load-balancing expert_bias of {len(biased)} MoE layer(s) is not zero (max "
+            f"|bias| {top:.3g}), but HF Qwen3-MoE has no routing bias: the exported model would "
+            "route tokens to other experts"
+        )
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF names (Hub per-expert or transformers' fused layout) -> our FQNs; ValueError
