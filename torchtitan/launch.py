@@ -15,6 +15,10 @@ pre-flight check before it and one line after a failure. ``./run_train.sh`` runs
    line is printed only when the console has not shown it already (``--local-ranks-filter``,
    i.e. ``LOG_RANK``). The exit code is that rank's: 2 for a bad config or a missing file, 1
    for a training error, 3 for a collective timeout, 128+N for a rank killed by signal N.
+4. **Ctrl-C** goes on to the ranks (torchrun starts them in their own sessions): the first
+   stops them after the step with a checkpoint, like SIGTERM; a second stops them at once.
+   Either way, and before any rank started, the launcher ends killed by SIGINT (the shell
+   shows 130) with one line per Ctrl-C and no traceback (:mod:`torchtitan.tools.interrupts`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 from typing import Any
 
 from torchtitan.tools.error_file import TRAINER_MARK, record_error
+from torchtitan.tools.interrupts import INTERRUPTED, ForwardedInterrupts, end_as_interrupted
 
 __all__ = ["TRAINER_MARK", "main", "record_error"]
 
@@ -146,6 +151,22 @@ def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir:
 
 def main(argv: list[str] | None = None) -> int:
     opts, entry = _split(list(sys.argv[1:] if argv is None else argv))
+    # Ctrl-C and SIGTERM go to the ranks, which save and stop; torchrun would instead SIGKILL
+    # them after its shutdown timeout and exit 1 with a traceback (tools/lifecycle.py,
+    # tools/interrupts.py). A Ctrl-C before any rank started ends the launcher at once.
+    ours = _option(opts, "signals_to_handle", "signals-to-handle") is None
+    interrupts = ForwardedInterrupts() if ours and os.path.isdir("/proc/self") else None
+    try:
+        code = _launch(opts, entry, interrupts)
+    finally:
+        if interrupts is not None:
+            interrupts.restore()
+    if code == 0 and interrupts is not None and interrupts.count:
+        return INTERRUPTED  # the ranks stopped on the Ctrl-C, with their checkpoint
+    return code
+
+
+def _launch(opts: list[str], entry: list[str], interrupts: ForwardedInterrupts | None) -> int:
     trainer_args = _trainer_args(entry)
     if trainer_args is not None:
         code = preflight(trainer_args, _world_size(opts))
@@ -160,13 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         opts = [*opts, "--log-dir", log_dir]
     else:
         log_dir = _option(opts, "log_dir", "log-dir") or ""
-    if _option(opts, "signals_to_handle", "signals-to-handle") is None:
-        # SIGTERM (preemption) goes to the ranks, which save and exit 0; torchrun would instead
-        # SIGKILL them after its shutdown timeout and exit 1 (torchtitan/tools/lifecycle.py).
+    if interrupts is not None:
         from torchtitan.tools.lifecycle import forward_sigterm_to_ranks
 
-        if forward_sigterm_to_ranks():
-            opts = [*opts, "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+        forward_sigterm_to_ranks()
+        opts = [*opts, "--signals-to-handle", "SIGHUP,SIGQUIT"]
     parser = get_args_parser()
     # Now used only to tear down the other ranks after one failed (they are stuck in a
     # collective or stopped): 5 s instead of torchrun's 30 s. torchrun has the flag from torch
@@ -184,9 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as err:
+        reported = any(TRAINER_MARK in (f.error_file_data or {}) for f in err.failures.values())
+        if interrupts is not None and interrupts.count and not reported:
+            return INTERRUPTED  # stopped by the Ctrl-C (killed, or before the trainer ran)
         return summarize_failure(err.failures, _shown_local_ranks(opts), log_dir)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if exit_code == INTERRUPTED:
+        end_as_interrupted()
+    sys.exit(exit_code)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# First, before torch: until the training loop takes Ctrl-C over, it ends this process at once.
+import torchtitan.tools.interrupts  # noqa: F401
+
+# isort: split
+
 import copy
 import gc
 import math
@@ -27,6 +32,7 @@ from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
 from torchtitan.tools.error_file import record_error
+from torchtitan.tools.interrupts import INTERRUPTED, end_as_interrupted, under_torchrun
 from torchtitan.tools.lifecycle import Preempted, Preemption, die_with_launcher
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -200,7 +206,7 @@ class Trainer(Stateful):
         (one failed during it): the optimizer did not step.
         """
         self.optimizers.zero_grad()
-        with self.preemption.abortable():  # one process: SIGTERM aborts the step here
+        with self.preemption.abortable():  # one process: SIGTERM / Ctrl-C aborts the step here
             microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
             loss, grad_norm = compute_gradients(self.run, microbatches)
         synchronous_ft = self.ft is not None and not self.ft.semi_sync
@@ -296,7 +302,8 @@ class Trainer(Stateful):
                 if stop:
                     saved = "checkpoint written" if self.checkpointer.has_step(self.step) else "no checkpoint"
                     logger.warning(
-                        f"Stopping after step {self.step} on SIGTERM ({saved}{self.preemption.waited()})"
+                        f"Stopping after step {self.step} on {self.preemption.cause} "
+                        f"({saved}{self.preemption.waited()})"
                     )
                     return
         logger.info("Training completed")
@@ -318,7 +325,7 @@ class Trainer(Stateful):
         self.preemption.install()
 
     def _preemption_agreed(self) -> bool:
-        """True on every rank once any rank received SIGTERM."""
+        """True on every rank once any rank received SIGTERM or Ctrl-C."""
         return self.preemption.agreed(self.device)
 
     def _pre_step_state(self) -> dict[str, Any] | None:
@@ -328,7 +335,7 @@ class Trainer(Stateful):
         return {"dataloader": self.dataloader.state_dict(), "train_state": self.state_dict()}
 
     def _stop_mid_step(self, before: dict[str, Any] | None) -> None:
-        """SIGTERM aborted step ``self.step``: save the last completed step as it was."""
+        """SIGTERM / Ctrl-C aborted step ``self.step``: save the last completed step as it was."""
         self.step -= 1
         done = self.step
         if before is None or done == 0 or self.checkpointer.has_step(done):
@@ -337,7 +344,8 @@ class Trainer(Stateful):
             self.checkpointer.save(done, force=True, overrides=before)
             what = f"saved step-{done}, the last completed step"
         logger.warning(
-            f"Stopping mid-step {done + 1} on SIGTERM ({what}{self.preemption.waited()})"
+            f"Stopping mid-step {done + 1} on {self.preemption.cause} "
+            f"({what}{self.preemption.waited()})"
         )
 
     def close(self) -> None:
@@ -399,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     (e.g. NaN loss) one line and 1. Either line also goes to torchrun's error file for this
     rank (:func:`torchtitan.tools.error_file.record_error`), so the launcher names it whatever
     ``LOG_RANK`` shows. A rank whose collective broke because another rank stopped first says
-    so in one line; the other rank's error is the root cause.
+    so in one line; the other rank's error is the root cause. A run stopped by Ctrl-C (a
+    checkpoint saved, like SIGTERM) returns 130, or 0 for a rank under torchrun.
     """
     init_logger()
     known_warnings.install()
@@ -412,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(job_config)
         trainer.train()
+        if trainer.preemption.interrupted:
+            # Under torchrun a rank exits 0, so that torchrun neither reports nor restarts
+            # it; torchtitan.launch then ends as interrupted.
+            code = 0 if under_torchrun() else INTERRUPTED
     except USER_ERRORS as err:
         code = _report(err, 2)
     except TrainingError as err:
@@ -448,4 +461,7 @@ def _report(err: BaseException | str, code: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if exit_code == INTERRUPTED:
+        end_as_interrupted()
+    sys.exit(exit_code)

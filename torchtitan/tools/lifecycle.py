@@ -1,4 +1,4 @@
-"""How a rank ends: preemption (SIGTERM) and the death of its launcher.
+"""How a rank ends: preemption (SIGTERM), Ctrl-C (SIGINT) and the death of its launcher.
 
 **Preemption.** SIGTERM sets a flag; the ranks agree on it at the end of every step (an
 all-reduce), save that step and exit 0. A single process (no process group) does not wait for
@@ -6,6 +6,12 @@ the step to end: the signal aborts the step in progress at the next Python-level
 its forward/backward, and the last *completed* step is saved with the data position and RNG
 state taken before the aborted step began, so the resumed run is bitwise the same. (Several
 ranks cannot abort a step safely: a rank would leave its peers inside a collective.)
+
+**Ctrl-C.** In the training loop the first SIGINT is a stop request like SIGTERM (same
+agreement, same save); the run then ends as interrupted (interrupts.py: killed by SIGINT, status
+130). It also gives SIGINT its default action back, so a second Ctrl-C ends the process at once
+in the kernel (no Python, no traceback, even inside a collective), except inside
+``interrupts.uninterruptible()`` (a checkpoint's commit renames), which finishes first.
 
 **Launcher death.** Under torchrun a rank asks the kernel to SIGKILL it when its parent (the
 torchrun agent) dies (``prctl(PR_SET_PDEATHSIG)``, Linux), and checks that the parent is still
@@ -28,44 +34,61 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from torchtitan.tools.interrupts import child_pids as _children
+from torchtitan.tools.interrupts import under_torchrun
 from torchtitan.tools.logging import logger
 
 PR_SET_PDEATHSIG = 1
 
 
 class Preempted(BaseException):
-    """Raised by the SIGTERM handler inside an abortable section (single process only);
-    a BaseException so that no ``except Exception`` on the way swallows it."""
+    """Raised by the SIGTERM / SIGINT handler inside an abortable section (single process
+    only); a BaseException so that no ``except Exception`` on the way swallows it."""
 
 
 class Preemption:
-    """The SIGTERM flag, the abortable section of a step and the ranks' agreement."""
+    """The stop flag (SIGTERM or Ctrl-C), the abortable section of a step and the ranks'
+    agreement."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.interrupted = False
+        """A Ctrl-C (SIGINT) asked for the stop: the run ends with ``INTERRUPTED``."""
+        self.cause = "SIGTERM"
+        """What asked first, for the log line: ``SIGTERM`` or ``Ctrl-C``."""
         self.received_at: float | None = None
         self._abortable = False
-        self._previous: object = None
+        self._previous: dict[int, object] = {}
         self.can_abort = not (dist.is_initialized() and dist.get_world_size() > 1)
 
     def install(self) -> None:
         def handler(signum, frame):  # noqa: ARG001
             if not self.requested:
                 self.received_at = time.monotonic()
+                self.cause = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
             self.requested = True
+            if signum == signal.SIGINT and not self.interrupted:
+                self.interrupted = True
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends it at once
+                if not under_torchrun():  # else the launcher says it
+                    logger.warning(
+                        "Ctrl-C: stopping, with a checkpoint if checkpointing is on; Ctrl-C "
+                        "again stops at once, without saving"
+                    )
             if self._abortable and self.can_abort:
                 self._abortable = False
                 raise Preempted()
 
-        with contextlib.suppress(ValueError):  # not the main thread
-            self._previous = signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread
+                self._previous[sig] = signal.signal(sig, handler)
 
     def uninstall(self) -> None:
-        """Put back the SIGTERM handler that was there before ``install``."""
-        if self._previous is not None:
+        """Put back the handlers that were there before ``install``."""
+        for sig, previous in self._previous.items():
             with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+                signal.signal(sig, previous)
+        self._previous.clear()
 
     @contextlib.contextmanager
     def abortable(self) -> Iterator[None]:
@@ -79,7 +102,7 @@ class Preemption:
             self._abortable = False
 
     def agreed(self, device: torch.device) -> bool:
-        """True on every rank once any rank received SIGTERM."""
+        """True on every rank once any rank received SIGTERM or Ctrl-C."""
         if not dist.is_initialized():
             return self.requested
         flag = torch.tensor([float(self.requested)], device=device)
@@ -120,24 +143,6 @@ def _orphaned(parent: int) -> None:
     for handler in logger.handlers:
         handler.flush()
     os._exit(1)
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
-    kids = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2 :].split()
-            if len(fields) > 1 and int(fields[1]) == pid:
-                kids.append(int(name))
-    return kids
 
 
 def forward_sigterm_to_ranks() -> bool:

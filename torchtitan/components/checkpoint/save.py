@@ -35,6 +35,7 @@ from torchtitan.components.checkpoint.common import (
 )
 from torchtitan.components.checkpoint.hooks import SaveHooks
 from torchtitan.components.checkpoint.integrity import describe_save_failure, is_fatal_interrupt
+from torchtitan.tools.interrupts import uninterruptible
 from torchtitan.tools.logging import logger
 
 
@@ -139,7 +140,8 @@ class CheckpointSaver:
     def _commit(self, step: int, tmp: str, final: str, info: dict[str, Any]) -> None:
         """Rank 0: write the marker, rename (an existing ``step-N`` this run did not write is
         moved aside, never deleted), tell the hooks."""
-        aside = fs.commit_checkpoint(tmp, final, info, replace=os.path.abspath(final) in self.written)
+        with uninterruptible():  # a second Ctrl-C waits for the renames
+            aside = fs.commit_checkpoint(tmp, final, info, replace=os.path.abspath(final) in self.written)
         self.written.add(os.path.abspath(final))
         if aside is not None:
             self.protected.add(os.path.abspath(aside))
