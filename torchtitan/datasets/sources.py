@@ -176,6 +176,10 @@ def data_files(cfg: DatasetConfig, dataset_name: str = "") -> list[Path]:
     return [] if _saved_dataset(path) else local_files(path)
 
 
+_ANSWERED: set[str] = set()
+"""Hub URLs that answered in this process."""
+
+
 def _hub_offline() -> bool:
     return any(
         os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
@@ -213,8 +217,12 @@ def check_hub(cfg: DatasetConfig, dataset_name: str = "", timeout: float = 5.0) 
     if _hub_offline():
         why = "offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
     else:
-        why = _probe_hub(f"{endpoint}/api/datasets/{cfg.path}", timeout)
+        url = f"{endpoint}/api/datasets/{cfg.path}"
+        if url in _ANSWERED:
+            return
+        why = _probe_hub(url, timeout)
         if why is None:
+            _ANSWERED.add(url)  # once per process: validation rebuilds its loader every time
             return
         why = f"the Hub ({endpoint}) is unreachable ({why})"
     name = dataset_name or cfg.path
