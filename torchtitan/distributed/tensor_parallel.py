@@ -1,4 +1,4 @@
-"""Tensor parallelism (+ sequence parallel, loss parallel, async TP) for Llama-style models.
+"""Tensor parallelism (+ sequence parallel, loss parallel, async TP) for decoder models.
 
 Layout between blocks is sequence-sharded (``Shard(1)`` of ``[B, S, D]``): norms run
 sequence-parallel, attention/FFN inputs are all-gathered to ``Replicate`` and their column-wise
@@ -10,7 +10,8 @@ loss must be computed inside ``torch.distributed.tensor.parallel.loss_parallel()
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torchtitan.distributed.parallel_dims import ParallelismError
 from torchtitan.tools.logging import logger
 
 
@@ -71,53 +73,81 @@ def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     }
 
 
-def block_tp_plan(
-    block: nn.Module | None = None, float8_tensorwise: bool = False
-) -> dict[str, ParallelStyle]:
-    """Plan for one transformer block (attention + SwiGLU FFN, sequence-parallel norms).
+class _Styles:
+    """The TP styles for the linears of ``block``: torchao's float8 styles for its
+    ``Float8Linear`` layers when ``float8_tensorwise`` (inputs cast to float8 before the
+    all-gather), the plain ones otherwise."""
 
-    ``freqs_cis`` (the attention's second input) is given as ``None``: it stays a plain tensor,
-    identical on every rank. With ``float8_tensorwise`` the ``Float8Linear`` layers of ``block``
-    get torchao's float8 styles (inputs cast to float8 before the all-gather); a module's
-    input is prepared in float8 only when all of its column-wise linears are float8.
-    """
-    col, row, prep = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    f8_col, f8_row, f8_prep = col, row, prep
-    is_f8 = _float8_linears(block) if float8_tensorwise and block is not None else set()
-    if is_f8:
+    def __init__(self, block: nn.Module | None, float8_tensorwise: bool):
+        self.float8 = _float8_linears(block) if float8_tensorwise and block is not None else set()
+
+    def _f8(self):
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
             PrepareFloat8ModuleInput,
         )
 
-        f8_col, f8_row, f8_prep = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
-    def pick(name: str, plain: type, float8: type) -> type:
-        return float8 if name in is_f8 else plain
+    def col(self, name: str) -> ParallelStyle:
+        return (self._f8()[0] if name in self.float8 else ColwiseParallel)()
 
-    def prepare(*cols: str) -> type:
-        return f8_prep if is_f8 and all(c in is_f8 for c in cols) else prep
+    def row(self, name: str) -> ParallelStyle:
+        """Row-wise, the output reduce-scattered back to sequence shards."""
+        return (self._f8()[1] if name in self.float8 else RowwiseParallel)(output_layouts=Shard(1))
 
+    def gather_input(self, *cols: str, **kwargs) -> ParallelStyle:
+        """All-gather a sublayer's sequence-sharded input; in float8 only when all of its
+        column-wise linears ``cols`` are float8."""
+        float8 = bool(self.float8) and all(c in self.float8 for c in cols)
+        return (self._f8()[2] if float8 else PrepareModuleInput)(**kwargs)
+
+
+def feed_forward_tp_plan(
+    block: nn.Module | None = None, float8_tensorwise: bool = False
+) -> dict[str, ParallelStyle]:
+    """Plan for a block's dense SwiGLU ``feed_forward`` (``w1/w3`` column-wise, ``w2``
+    row-wise); empty for an MoE block (expert parallel's TP step handles ``moe``)."""
+    if block is not None and getattr(block, "feed_forward", None) is None:
+        return {}
+    s = _Styles(block, float8_tensorwise)
     return {
-        "attention_norm": SequenceParallel(),
-        "attention": prepare("attention.wq", "attention.wk", "attention.wv")(
-            input_layouts=(Shard(1), None),
-            desired_input_layouts=(Replicate(), None),
+        "feed_forward": s.gather_input(
+            "feed_forward.w1", "feed_forward.w3",
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
         ),
-        "attention.wq": pick("attention.wq", col, f8_col)(),
-        "attention.wk": pick("attention.wk", col, f8_col)(),
-        "attention.wv": pick("attention.wv", col, f8_col)(),
-        "attention.wo": pick("attention.wo", row, f8_row)(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": prepare("feed_forward.w1", "feed_forward.w3")(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-        ),
-        "feed_forward.w1": pick("feed_forward.w1", col, f8_col)(),
-        "feed_forward.w2": pick("feed_forward.w2", row, f8_row)(output_layouts=Shard(1)),
-        "feed_forward.w3": pick("feed_forward.w3", col, f8_col)(),
+        "feed_forward.w1": s.col("feed_forward.w1"),
+        "feed_forward.w2": s.row("feed_forward.w2"),
+        "feed_forward.w3": s.col("feed_forward.w3"),
     }
+
+
+def block_tp_plan(
+    block: nn.Module | None = None, float8_tensorwise: bool = False
+) -> dict[str, ParallelStyle]:
+    """Plan for one decoder block with grouped-query attention (``wq/wk/wv`` column-wise,
+    ``wo`` row-wise), sequence-parallel norms and a dense SwiGLU FFN (none for an MoE block).
+
+    ``freqs_cis`` (the attention's second input) is given as ``None``: it stays a plain tensor,
+    identical on every rank. With ``float8_tensorwise`` the ``Float8Linear`` layers of ``block``
+    get torchao's float8 styles (inputs cast to float8 before the all-gather); a module's
+    input is prepared in float8 only when all of its column-wise linears are float8.
+    """
+    s = _Styles(block, float8_tensorwise)
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": s.gather_input(
+            "attention.wq", "attention.wk", "attention.wv",
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+        ),
+        "attention.wq": s.col("attention.wq"),
+        "attention.wk": s.col("attention.wk"),
+        "attention.wv": s.col("attention.wv"),
+        "attention.wo": s.row("attention.wo"),
+        "ffn_norm": SequenceParallel(),
+    }
+    return plan | feed_forward_tp_plan(block, float8_tensorwise)
 
 
 def _float8_linears(module: nn.Module) -> set[str]:
@@ -130,35 +160,96 @@ def _float8_linears(module: nn.Module) -> set[str]:
     return names
 
 
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What a decoder family declares for tensor parallelism; ``apply_tp_plan`` applies it."""
+
+    block_plan: Callable[[nn.Module, bool], dict[str, ParallelStyle]] = block_tp_plan
+    """``(block, float8_tensorwise) -> {fqn: style}`` for one block."""
+    float8_tensorwise: bool = False
+    """``block_plan`` gives float8 layers torchao's float8 styles (all-gathers in float8 with
+    the float8 converter's tensorwise scaling); otherwise they all-gather in high precision."""
+    check: Callable[[nn.Module, int], None] | None = None
+    """``check(model, tp)``: ParallelismError (one line) for shapes the plan cannot split."""
+    name: str = ""
+    """Shown in the log line (``Applied tensor parallel to NAME``)."""
+
+
+DECODER_TP = TensorParallelPlan(float8_tensorwise=True)
+"""The plan of Llama-style blocks (grouped-query attention, dense SwiGLU or MoE)."""
+
+
+def apply_tp_plan(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan = DECODER_TP,
+    loss_parallel: bool = True,
+    float8_tensorwise: bool = False,
+) -> nn.Module:
+    """Apply the TP/SP plans to ``model`` (works on a meta-device model).
+
+    Parts that are missing or None (pipeline stages) are skipped. Tied input/output
+    embeddings stay tied: both plans shard the shared weight ``Shard(0)`` over the vocabulary.
+    ``float8_tensorwise`` (only where ``plan.float8_tensorwise``) all-gathers the blocks'
+    activations in float8. MoE layers are left to expert parallel's TP step.
+    """
+    float8_tensorwise = float8_tensorwise and plan.float8_tensorwise
+    if float8_tensorwise and _backend(tp_mesh) == "gloo":
+        logger.info(
+            "float8 TP: gloo has no float8 dtypes, so activations are all-gathered in high "
+            "precision and cast by each Float8Linear (the same scales and float8 values)"
+        )
+        float8_tensorwise = False
+    apply_non_block_tp(model, tp_mesh, loss_parallel)
+    layers = getattr(model, "layers", None)
+    n_moe = 0
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
+        if block is not None:
+            parallelize_module(block, tp_mesh, plan.block_plan(block, float8_tensorwise))
+            n_moe += getattr(block, "moe", None) is not None
+    logger.info(
+        f"Applied tensor parallel{' to ' + plan.name if plan.name else ''} "
+        f"(degree {tp_mesh.size()}, sequence parallel, "
+        f"loss parallel {'on' if loss_parallel else 'off'}"
+        f"{', float8 all-gather' if float8_tensorwise else ''}"
+        + (f"; {n_moe} MoE layer(s): see expert parallel)" if n_moe else ")")
+    )
+    return model
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
     loss_parallel: bool = True,
     enable_float8_tensorwise_tp: bool = False,
 ) -> nn.Module:
-    """Apply the TP/SP plans to ``model`` (works on a meta-device model).
+    """:func:`apply_tp_plan` with the Llama-style plan (:data:`DECODER_TP`)."""
+    return apply_tp_plan(model, tp_mesh, DECODER_TP, loss_parallel, enable_float8_tensorwise_tp)
 
-    Parts that are missing or None (pipeline stages) are skipped. Tied input/output
-    embeddings stay tied: both plans shard the shared weight ``Shard(0)`` over the vocabulary.
-    ``enable_float8_tensorwise_tp`` (the float8 converter with tensorwise scaling) all-gathers
-    the blocks' activations in float8 (:func:`block_tp_plan`).
-    """
-    if enable_float8_tensorwise_tp and _backend(tp_mesh) == "gloo":
-        logger.info(
-            "float8 TP: gloo has no float8 dtypes, so activations are all-gathered in high "
-            "precision and cast by each Float8Linear (the same scales and float8 values)"
+
+def check_feed_forward_tp(tp: int, width: int, described: str, has_dense: bool = True) -> None:
+    """ParallelismError (one line) when the model has dense FFN blocks (``has_dense``, read
+    from its args, so every pipeline stage agrees) and ``tp`` does not divide their ``width``
+    (``w1/w3`` are split column-wise); ``described`` names the width (e.g. ``"dense FFN
+    inter_dim"``)."""
+    if has_dense and width % tp:
+        raise ParallelismError(
+            f"parallelism.tensor_parallel_degree={tp} must divide the model's {described}="
+            f"{width} (w1/w3 are split column-wise)"
         )
-        enable_float8_tensorwise_tp = False
-    apply_non_block_tp(model, tp_mesh, loss_parallel)
-    layers = getattr(model, "layers", None)
-    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers or []:
-        parallelize_module(block, tp_mesh, block_tp_plan(block, enable_float8_tensorwise_tp))
-    logger.info(
-        f"Applied tensor parallel (degree {tp_mesh.size()}, sequence parallel, "
-        f"loss parallel {'on' if loss_parallel else 'off'}"
-        f"{', float8 all-gather' if enable_float8_tensorwise_tp else ''})"
-    )
-    return model
+
+
+class SumGradientOverTP(ParallelStyle):
+    """Identity forward; backward all-reduces the input's gradient over the TP ranks (Megatron's
+    "copy to the tensor-parallel region"), for a plain tensor that every rank feeds into its own
+    heads: each rank's gradient is then only its heads' share."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]):
+            return (sum_gradient_over_tp(inputs[0], device_mesh), *inputs[1:])
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
 
 
 def apply_non_block_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:

@@ -6,7 +6,7 @@ import copy
 import difflib
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -60,19 +60,38 @@ def lazy(target: str) -> LazyCallable:
     return LazyCallable(target)
 
 
+def _default(target: str):
+    return field(default_factory=lambda: lazy(target))
+
+
 @dataclass
 class ModelSpec:
-    """A model family: its class, flavors (name -> args) and the hooks that build a run."""
+    """A model family: its class, flavors (name -> args) and the hooks that build a run.
+
+    The hooks default to what every decoder family shares: the decoder parallelization with
+    the default TP plan, the decoder pipeline split, the text tokenizer, dataloader and loss.
+    A family with its own TP plan names its ``parallelize_fn``.
+    """
 
     name: str
     model_cls: type
     model_args: dict[str, Any]
     """Flavor name -> model-args object (e.g. ``TransformerModelArgs``); never mutate these."""
-    parallelize_fn: Callable[..., Any] | None
-    pipelining_fn: Callable[..., Any] | None
-    build_tokenizer_fn: Callable[..., Any] | None
-    build_dataloader_fn: Callable[..., Any] | None
-    build_loss_fn: Callable[..., Any]
+    parallelize_fn: Callable[..., Any] | None = _default(
+        "torchtitan.distributed.parallelize:parallelize_decoder"
+    )
+    pipelining_fn: Callable[..., Any] | None = _default(
+        "torchtitan.distributed.parallelize:pipeline_decoder"
+    )
+    build_tokenizer_fn: Callable[..., Any] | None = _default(
+        "torchtitan.components.tokenizer:build_tokenizer"
+    )
+    build_dataloader_fn: Callable[..., Any] | None = _default(
+        "torchtitan.datasets.hf_datasets:build_text_dataloader"
+    )
+    build_loss_fn: Callable[..., Any] = _default(
+        "torchtitan.components.loss:build_cross_entropy_loss"
+    )
     """``build_loss_fn(compile: bool, backend: str)`` -> summed token loss ``fn(pred, labels)``."""
     state_dict_adapter: Any | None = None
     """HF <-> torchtitan state-dict converter class (None: not available)."""

@@ -144,10 +144,6 @@ def _register() -> None:
             model_cls=DeepSeekV3Model,
             model_args=deepseekv3_args,
             parallelize_fn=lazy("torchtitan.models.deepseek_v3.parallelize:parallelize_deepseekv3"),
-            pipelining_fn=lazy("torchtitan.models.deepseek_v3.pipeline:pipeline_deepseekv3"),
-            build_tokenizer_fn=lazy("torchtitan.components.tokenizer:build_tokenizer"),
-            build_dataloader_fn=lazy("torchtitan.datasets.hf_datasets:build_text_dataloader"),
-            build_loss_fn=lazy("torchtitan.components.loss:build_cross_entropy_loss"),
             state_dict_adapter=lazy(
                 "torchtitan.models.deepseek_v3.state_dict_adapter:DeepSeekV3StateDictAdapter"
             ),

@@ -11,17 +11,13 @@ __all__ = ["Transformer", "TransformerModelArgs", "llama3_args", "llama_model_sp
 
 
 def llama_model_spec(name: str, flavors: dict[str, TransformerModelArgs]) -> ModelSpec:
-    """The spec of a Llama-architecture family: the shared model class, hooks and builders
-    (all resolved lazily, on first use) with the family's own flavors."""
+    """The spec of a Llama-architecture family: the Llama model class and HF adapter with the
+    family's own flavors; the decoder defaults for everything else (parallelize with the
+    default TP plan, pipeline split, tokenizer, data, loss)."""
     return ModelSpec(
         name=name,
         model_cls=Transformer,
         model_args=flavors,
-        parallelize_fn=lazy("torchtitan.models.llama3.parallelize:parallelize_llama"),
-        pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
-        build_tokenizer_fn=lazy("torchtitan.components.tokenizer:build_tokenizer"),
-        build_dataloader_fn=lazy("torchtitan.datasets.hf_datasets:build_text_dataloader"),
-        build_loss_fn=lazy("torchtitan.components.loss:build_cross_entropy_loss"),
         state_dict_adapter=lazy(
             "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
         ),

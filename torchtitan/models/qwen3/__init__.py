@@ -55,17 +55,13 @@ qwen3_args: dict[str, Qwen3ModelArgs] = {
 
 
 def qwen3_model_spec(name: str = "qwen3", flavors: dict[str, Qwen3ModelArgs] | None = None) -> ModelSpec:
-    """The Qwen3 spec: model class, hooks (resolved lazily) and flavors. The pipeline hook is
-    the Llama one: the module layout is the same."""
+    """The Qwen3 spec: model class, TP plan, HF adapter and flavors; the decoder defaults for
+    the pipeline split, tokenizer, data and loss."""
     return ModelSpec(
         name=name,
         model_cls=Qwen3Model,
         model_args=qwen3_args if flavors is None else flavors,
         parallelize_fn=lazy("torchtitan.models.qwen3.parallelize:parallelize_qwen3"),
-        pipelining_fn=lazy("torchtitan.models.llama3.pipeline:pipeline_llama"),
-        build_tokenizer_fn=lazy("torchtitan.components.tokenizer:build_tokenizer"),
-        build_dataloader_fn=lazy("torchtitan.datasets.hf_datasets:build_text_dataloader"),
-        build_loss_fn=lazy("torchtitan.components.loss:build_cross_entropy_loss"),
         state_dict_adapter=lazy(
             "torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter"
         ),
