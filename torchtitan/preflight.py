@@ -219,21 +219,19 @@ def _check_checkpoint(cfg: JobConfig, on_this_machine: bool) -> None:
     """``exclude_from_loading`` names and, on this machine, what the first
     ``CheckpointManager.load`` plans: ``initial_load_path`` present and a checkpoint,
     ``load_step`` there, not a folder of damaged checkpoints only."""
-    from types import SimpleNamespace
-
     from torchtitan.components.checkpoint.common import (
         DATALOADER,
         LR_SCHEDULER,
+        MODEL,
         OPTIMIZER,
         TRAIN_STATE,
     )
     from torchtitan.components.checkpoint.load import plan_load
-    from torchtitan.components.checkpoint.manager import CheckpointManager
+    from torchtitan.components.checkpoint.manager import parse_exclude
 
     ck = cfg.checkpoint
-    # The manager's own rule, on the states the Trainer hands it.
-    trainer = SimpleNamespace(states=dict.fromkeys((OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE)))
-    CheckpointManager._parse_exclude(trainer, ck.exclude_from_loading)  # type: ignore[arg-type]
+    # What the Trainer's CheckpointManager holds: the model and the states it is handed.
+    parse_exclude(ck.exclude_from_loading, [MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE])
     if not on_this_machine or ck.create_seed_checkpoint or not (ck.enable or ck.initial_load_path):
         return
     folder = os.path.join(cfg.job.dump_folder, ck.folder)

@@ -41,6 +41,19 @@ from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
 
 
+def parse_exclude(raw: list[str] | str, valid: list[str]) -> list[str]:
+    """``checkpoint.exclude_from_loading`` as names, each one of ``valid`` (the pre-flight
+    checks it with the Trainer's states); ``CheckpointError`` naming the unknown ones."""
+    items = raw.split(",") if isinstance(raw, str) else [p for r in raw for p in r.split(",")]
+    names = [p.strip() for p in items if p.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint.exclude_from_loading has unknown name(s) {bad}; valid names: {valid}"
+        )
+    return names
+
+
 class CheckpointManager:
     """Saves and loads the whole training state with ``torch.distributed.checkpoint``.
 
@@ -148,15 +161,7 @@ class CheckpointManager:
 
     # --- configuration ---------------------------------------------------------------------
     def _parse_exclude(self, raw: list[str] | str) -> list[str]:
-        items = raw.split(",") if isinstance(raw, str) else [p for r in raw for p in r.split(",")]
-        names = [p.strip() for p in items if p.strip()]
-        valid = [MODEL, *self.states]
-        bad = [n for n in names if n not in valid]
-        if bad:
-            raise CheckpointError(
-                f"checkpoint.exclude_from_loading has unknown name(s) {bad}; valid names: {valid}"
-            )
-        return names
+        return parse_exclude(raw, [MODEL, *self.states])
 
     def _log_setup(self) -> None:
         cfg = self.config
