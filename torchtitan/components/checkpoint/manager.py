@@ -38,6 +38,7 @@ from torchtitan.components.checkpoint.load import LoadPlan, load_dcp, plan_load,
 from torchtitan.components.checkpoint.lock import FolderLock
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.tools.interrupts import uninterruptible
 from torchtitan.tools.logging import logger
 
 
@@ -376,7 +377,8 @@ class CheckpointManager:
         error = None
         if rank() == 0:
             try:
-                moved = fs.set_aside_newer(self.folder, step)
+                with uninterruptible():  # all or none, even on a Ctrl-C at start-up
+                    moved = fs.set_aside_newer(self.folder, step)
             except OSError as err:
                 error = f"cannot set aside the checkpoints newer than step-{step} in {self.folder}: {err}"
             else:
