@@ -339,6 +339,7 @@ class CheckpointManager:
     def load(self, step: int = -1) -> bool:
         """Load the newest complete checkpoint (or ``step-<step>``), else ``initial_load_path``;
         with checkpoint.enable off, ``initial_load_path`` only (if set; nothing is saved).
+        Loading an older ``step`` than the newest (a rewind) sets the newer step folders aside.
 
         Returns True when something was loaded. Raises CheckpointError with a one-line reason.
         """
