@@ -133,8 +133,8 @@ def test_lighthouse_address_from_flag_or_environment(monkeypatch):
 
 
 def test_preflight_reaches_the_lighthouse(monkeypatch):
-    """A real lighthouse (torchft's own server, in this process) passes; a closed port is one
-    line naming the address."""
+    """A real lighthouse (torchft's own server, in this process) passes; a port where nothing
+    listens is one line naming the address."""
     _torchft = pytest.importorskip("torchft._torchft")
     server = _torchft.LighthouseServer(bind="[::]:0", min_replicas=1)
     port = int(server.address().rsplit(":", 1)[1])
@@ -142,8 +142,12 @@ def test_preflight_reaches_the_lighthouse(monkeypatch):
     try:
         check_lighthouse(cfg_of(*FT).fault_tolerance)
     finally:
-        server.shutdown()
-    with pytest.raises(FaultToleranceError) as info:  # closed now
+        server.shutdown()  # asynchronous: the port may answer a moment longer
+    with socket.socket() as closed:
+        closed.bind(("localhost", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://localhost:{port}")
+    with pytest.raises(FaultToleranceError) as info:
         check_lighthouse(cfg_of(*FT).fault_tolerance)
     assert str(info.value) == (
         f"cannot reach the torchft lighthouse at http://localhost:{port} (Connection refused); "
