@@ -59,6 +59,21 @@ def caplog(caplog):
         titan.propagate = propagate
 
 
+@pytest.fixture(autouse=True)
+def _keep_titan_logger():
+    """An in-process ``main()`` adds a handler bound to this test's captured stderr; a later
+    test would log into that closed stream and see nothing. Each test gets the logger back
+    as it found it."""
+    import logging
+
+    titan = logging.getLogger("torchtitan")
+    handlers, level, propagate = titan.handlers[:], titan.level, titan.propagate
+    yield
+    titan.handlers[:] = handlers
+    titan.setLevel(level)
+    titan.propagate = propagate
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module: 2 shared cores oversubscribed by OpenMP spin."""
