@@ -114,14 +114,20 @@ def test_compiled_op_sac_matches_eager():
 
 
 # --- activation_checkpoint.mode = "memory_budget" --------------------------------------------
-def _saved_bytes_and_grads(budget: float, monkeypatch) -> tuple[int, float, list[torch.Tensor]]:
+def _saved_bytes_and_grads(budget: float) -> tuple[int, float, list[torch.Tensor]]:
     """Bytes saved for backward by one step of the compiled model (aot_eager, which partitions
     with the same min-cut partitioner as inductor), its loss and gradients."""
     import torch._functorch.config as functorch_config
 
+    # torch's own patch restores the setting; pytest's monkeypatch would delete it (torch
+    # config modules keep values outside __dict__), hiding it from every later compile.
+    with functorch_config.patch(activation_memory_budget=1.0):
+        return _compile_and_measure(budget)
+
+
+def _compile_and_measure(budget: float) -> tuple[int, float, list[torch.Tensor]]:
     from torchtitan.distributed.activation_checkpoint import apply_memory_budget
 
-    monkeypatch.setattr(functorch_config, "activation_memory_budget", 1.0)  # restored after
     torch._dynamo.reset()
     cfg = ActivationCheckpoint(mode="memory_budget", memory_budget=budget)
     model = apply_ac(_model(), cfg)
@@ -142,12 +148,12 @@ def _saved_bytes_and_grads(budget: float, monkeypatch) -> tuple[int, float, list
     return sum(saved), loss.item(), [p.grad for p in model.parameters()]
 
 
-def test_memory_budget_trades_saved_activations_for_recompute(monkeypatch):
+def test_memory_budget_trades_saved_activations_for_recompute():
     """Budget 0 keeps fewer activations than 0.5, which keeps fewer than 1 (compile's default);
     the numbers do not change."""
-    full, loss, grads = _saved_bytes_and_grads(1.0, monkeypatch)
-    half, loss_half, _ = _saved_bytes_and_grads(0.5, monkeypatch)
-    least, loss_least, grads_least = _saved_bytes_and_grads(0.0, monkeypatch)
+    full, loss, grads = _saved_bytes_and_grads(1.0)
+    half, loss_half, _ = _saved_bytes_and_grads(0.5)
+    least, loss_least, grads_least = _saved_bytes_and_grads(0.0)
     assert least < half < full, (least, half, full)  # measured 0.53 / 0.81 / 1.09 MB
     assert loss_least == loss_half == loss
     for a, b in zip(grads, grads_least):
@@ -180,7 +186,7 @@ def test_memory_budget_needs_a_partitioning_compile(flags, message):
     assert str(info.value) == message
 
 
-def test_pareto_plots_need_matplotlib_or_write_svgs(tmp_path, monkeypatch):
+def test_pareto_plots_need_matplotlib_or_write_svgs(tmp_path, request):
     import importlib.util
 
     import torch._functorch.config as functorch_config
@@ -196,9 +202,11 @@ def test_pareto_plots_need_matplotlib_or_write_svgs(tmp_path, monkeypatch):
             "is not installed: pip install matplotlib, or drop the flag"
         )
         return
-    for key in ("activation_memory_budget", "visualize_memory_budget_pareto",
-                "memory_budget_pareto_dir"):
-        monkeypatch.setattr(functorch_config, key, getattr(functorch_config, key))
+    keys = ("activation_memory_budget", "visualize_memory_budget_pareto",
+            "memory_budget_pareto_dir")  # restored by torch's patch (see above)
+    patch = functorch_config.patch({key: getattr(functorch_config, key) for key in keys})
+    patch.__enter__()
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     model = _model()
     apply_memory_budget(cfg, str(tmp_path))
