@@ -7,7 +7,6 @@ process group, the data source and the tensor modes, so nothing here asks which 
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,20 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.components.converters import (
-    ModelConverters,
-    build_converters,
-    check_converters,
-)
-from torchtitan.components.fault_tolerance.layout import data_layout
+from torchtitan.components.converters import ModelConverters, build_converters
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.optimizer_in_backward import (
-    build_optimizers_in_backward,
-    check_early_step,
-)
+from torchtitan.components.optimizer_in_backward import build_optimizers_in_backward
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
 from torchtitan.distributed.compile import isolate_compile_cache
@@ -42,15 +32,11 @@ from torchtitan.distributed.mixed_precision import (
     compute_dtype,
     log_precision,
 )
-from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline import Pipeline
 from torchtitan.models import ModelSpec, get_model_spec
-from torchtitan.models.common.document_mask import (
-    apply_attention_config,
-    check_document_separators,
-    uses_attention_mask,
-)
 from torchtitan.models.common.moe import MoE, moe_layers
+from torchtitan.plan import import_custom_module, plan_run, reject_planned_features
 from torchtitan.tools.device import device_type, get_device
 from torchtitan.tools.logging import logger
 
@@ -101,16 +87,6 @@ class RunParts:
         return self.parallel_dims.get_mesh("dp_cp")
 
 
-def check_validation_seq_len(cfg: JobConfig, model_args: Any) -> None:
-    """Validation batches must fit the model's RoPE table (``max_seq_len``, from
-    ``training.seq_len``): ValueError before any step, not at the first validation."""
-    max_seq_len = getattr(model_args, "max_seq_len", None)
-    if cfg.validation.enable and max_seq_len and cfg.validation.seq_len > max_seq_len:
-        raise ValueError(
-            f"validation.seq_len={cfg.validation.seq_len} is longer than the model's "
-            f"max_seq_len={max_seq_len} (set from training.seq_len): set --validation.seq_len "
-            f"{max_seq_len} or less"
-        )
 
 
 def dataloader_factory(
@@ -137,72 +113,12 @@ def dataloader_factory(
     return build
 
 
-def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Fail before any work on settings whose feature is planned but not built yet.
-
-    Running with them silently ignored would train something other than what was asked for.
-    ``parse_args_or_exit`` refuses planned config fields already; this repeats that check for
-    configs built in code.
-    """
-    reject_planned_settings(cfg)
-    check_converters(cfg)  # known names, consistent [float8] / [mx] settings
 
 
-def check_expert_parallel(cfg: JobConfig, parallel_dims: ParallelDims, model: Any) -> None:
-    """Expert parallel and expert TP need a model with experts whose count and hidden dims
-    they divide (``model`` may be on ``meta``)."""
-    from torchtitan.distributed.expert_parallel import check_expert_shapes
-
-    layers = moe_layers([model])
-    for on, flag, degree in (
-        (parallel_dims.ep_enabled, "expert_parallel_degree", parallel_dims.ep),
-        (parallel_dims.etp_enabled, "expert_tensor_parallel_degree", parallel_dims.etp),
-    ):
-        if on and not layers:
-            raise ParallelismError(
-                f"parallelism.{flag}={degree} needs a mixture-of-experts model; "
-                f"{cfg.model.name} {cfg.model.flavor} has no experts (e.g. "
-                "--model.name qwen3 --model.flavor debugmodel_moe)"
-            )
-    for layer in layers:
-        try:
-            check_expert_shapes(layer, parallel_dims.ep, parallel_dims.etp)
-        except ValueError as err:
-            raise ParallelismError(str(err)) from None
 
 
-def check_context_parallel(cfg: JobConfig, model_args: Any, cp: int) -> None:
-    """What context parallel needs beyond the mesh rules: validation batches as long as
-    training ones (the RoPE table is sharded for ``training.seq_len``), and a rotate method
-    the attention kind uses (masked attention always all-gathers keys/values)."""
-    rotate = cfg.parallelism.context_parallel_rotate_method
-    if rotate != "allgather" and uses_attention_mask(model_args):
-        raise ValueError(
-            f"parallelism.context_parallel_rotate_method={rotate} passes key/value blocks "
-            "around a ring, which merges causal attention only; with a document mask, a "
-            "sliding window or FlexAttention context parallel all-gathers keys/values: use "
-            "allgather (the default)"
-        )
-    if cfg.validation.enable and cfg.validation.seq_len != cfg.training.seq_len:
-        raise ValueError(
-            f"validation.seq_len={cfg.validation.seq_len} must equal training.seq_len="
-            f"{cfg.training.seq_len} with parallelism.context_parallel_degree={cp} (both "
-            "shard the same RoPE table)"
-        )
 
 
-def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
-    """``(global batch size, microbatches per optimizer step)`` for ``dp_degree`` data ranks."""
-    local_bs = cfg.training.local_batch_size
-    global_bs = cfg.training.global_batch_size
-    if global_bs < 0:
-        global_bs = local_bs * dp_degree
-    if global_bs % (local_bs * dp_degree):
-        raise ParallelismError(
-            f"training.global_batch_size={global_bs} must be a multiple of "
-            f"local_batch_size*dp = {local_bs}*{dp_degree} = {local_bs * dp_degree}"
-        )
-    return global_bs, global_bs // (local_bs * dp_degree)
 
 
 def log_resolved_config(cfg: JobConfig, rank: int) -> None:
@@ -227,8 +143,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     then optimizers and LR schedulers. Raises ParallelismError / ValueError /
     FileNotFoundError with one line meant for people.
     """
-    if cfg.experimental.custom_import:
-        importlib.import_module(cfg.experimental.custom_import)
+    import_custom_module(cfg)  # it may register the model, dataset or converter
     device = device if device is not None else get_device()
     parallel_dims = ParallelDims.from_config(cfg.parallelism, comm_mode.world_size)
     reject_planned_features(cfg, parallel_dims)  # not built: refused before any mode's rules
@@ -240,25 +155,14 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     isolate_compile_cache(rank, dist.get_world_size() if dist.is_initialized() else 1)
     log_resolved_config(cfg, rank)
     seed = dist_utils.set_determinism(world_mesh, device, cfg.debug)
-    # Under fault tolerance the replica groups split the data (and the global batch) too.
-    data_degree, data_rank_offset = data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)
-    global_bs, grad_accum = gradient_accumulation_steps(cfg, data_degree)
 
     spec = get_model_spec(cfg.model.name)
     tokenizer = comm_mode.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
-    model_args = spec.get_model_args(cfg.model.flavor)
-    model_args.update_from_config(cfg, tokenizer=tokenizer)
-    apply_attention_config(cfg.model, model_args)  # attn_mask_type / use_flex_attn / window
-    check_document_separators(model_args, tokenizer)
-    parallel_dims.validate_for_model(
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.effective_n_kv_heads,
-        n_layers=model_args.n_layers,
-        seq_len=cfg.training.seq_len,
-    )
-    if parallel_dims.cp_enabled:
-        check_context_parallel(cfg, model_args, parallel_dims.cp)
-    check_validation_seq_len(cfg, model_args)
+    # Every check of the config (the pre-flight's too), with this run's tokenizer.
+    plan = plan_run(cfg, comm_mode.world_size, tokenizer=tokenizer, parallel_dims=parallel_dims)
+    model_args = plan.model_args
+    global_bs, grad_accum = plan.global_batch_size, plan.gradient_accumulation_steps
+    data_degree, data_rank_offset = plan.data_degree, plan.data_rank_offset
 
     build_dataloader = dataloader_factory(spec, cfg, tokenizer, parallel_dims.dp_degree)
     build_train_data = dataloader_factory(spec, cfg, tokenizer, data_degree)
@@ -280,16 +184,10 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
-        check_expert_parallel(cfg, parallel_dims, model)
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
         pipeline = None
         if parallel_dims.pp_enabled:
-            if spec.pipelining_fn is None:
-                raise ParallelismError(
-                    f"model {cfg.model.name} has no pipeline support; set "
-                    "parallelism.pipeline_parallel_degree=1"
-                )
             # The per-stage seed from set_determinism makes stages initialise differently.
             pipeline = spec.pipelining_fn(
                 model, parallel_dims, cfg, device, model_args, spec.parallelize_fn, loss_fn
@@ -323,7 +221,6 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     f"debug.moe_force_load_balance has no effect: {cfg.model.name} "
                     f"{cfg.model.flavor} has no MoE layers"
                 )
-            check_early_step(cfg, parallel_dims, has_moe=bool(layers))
             optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer)
             if tied is not None:
                 optimizers.fqn_aliases = [tied.optimizer_aliases(part) for part in model_parts]

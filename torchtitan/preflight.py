@@ -1,11 +1,10 @@
 """Pre-flight: everything a run's config can be checked for before any rank starts.
 
-``check_run(cfg, world_size)`` runs the checks the ranks would run first, with the same
-functions, in one process and without building the model: planned-but-unbuilt settings, the
-parallel layout against the world size (:class:`ParallelDims`), batch arithmetic, the model
-flavor and its shape against the layout (``validate_for_model``), context and expert parallel
-rules, the pipeline plan (on a ``meta`` model: shapes only), compile and device-only features
-(async TP), and where the run starts: the dump folder, the tokenizer file, the datasets
+``check_run(cfg, world_size)`` is the plan of the run (:func:`torchtitan.plan.plan_run`, the
+checks the ranks' build runs: planned-but-unbuilt settings, the parallel layout against the
+world size, batch arithmetic, the model flavor and its shape against the layout, context and
+expert parallel rules, the pipeline plan on a ``meta`` model) plus what depends on this
+machine: compile and device-only features (async TP, converters), and where the run starts: the dump folder, the tokenizer file, the datasets
 (known names, local files with documents, a streaming Hub dataset's reachability) and what the
 checkpoint settings load. It raises the trainer's own one-line errors (``ConfigError``,
 ``ParallelismError``, ``ValueError``, ``FileNotFoundError``).
@@ -17,7 +16,6 @@ checkpoint settings load. It raises the trainer's own one-line errors (``ConfigE
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import tempfile
@@ -63,76 +61,6 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(old)
-
-
-def _check_model(cfg: JobConfig, parallel_dims: ParallelDims) -> Any:
-    from torchtitan.models import get_model_spec
-
-    spec = get_model_spec(cfg.model.name)
-    model_args = spec.get_model_args(cfg.model.flavor)
-    model_args.update_from_config(cfg, tokenizer=None)
-    from torchtitan.models.common.document_mask import apply_attention_config
-
-    apply_attention_config(cfg.model, model_args)
-    if hasattr(model_args, "validate"):
-        model_args.validate()
-    from torchtitan.build import check_validation_seq_len
-
-    check_validation_seq_len(cfg, model_args)
-    parallel_dims.validate_for_model(
-        n_heads=model_args.n_heads,
-        n_kv_heads=model_args.effective_n_kv_heads,
-        n_layers=model_args.n_layers,
-        seq_len=cfg.training.seq_len,
-    )
-    if parallel_dims.cp_enabled:
-        from torchtitan.build import check_context_parallel
-
-        check_context_parallel(cfg, model_args, parallel_dims.cp)
-    early_step_under_tp = (cfg.optimizer.early_step_in_backward
-                           and parallel_dims.tp_splits_moe_tokens)  # refused with MoE layers
-    if (parallel_dims.pp_enabled or parallel_dims.ep_enabled or parallel_dims.etp_enabled
-            or early_step_under_tp):
-        import torch
-
-        from torchtitan.build import check_expert_parallel
-        from torchtitan.components.optimizer_in_backward import check_early_step
-        from torchtitan.models.common.moe import moe_layers
-
-        with torch.device("meta"):  # shapes only: no memory, no init
-            model = spec.model_cls(model_args)
-        check_expert_parallel(cfg, parallel_dims, model)
-        check_early_step(cfg, parallel_dims, has_moe=bool(moe_layers([model])))
-        if parallel_dims.pp_enabled:
-            _check_pipeline(cfg, parallel_dims, spec, model_args, model)
-    return model_args
-
-
-def _check_pipeline(cfg: JobConfig, parallel_dims: ParallelDims, spec: Any, model_args: Any,
-                    model: Any) -> None:
-    """The pipeline plan for pp rank 0, cut from the model on ``meta`` (no memory, no data)."""
-    from torchtitan.distributed.activation_checkpoint import uses_op_sac
-    from torchtitan.distributed.compile import model_compile_enabled
-    from torchtitan.distributed.parallel_dims import ParallelismError
-    from torchtitan.distributed.pipeline import (
-        check_microbatches,
-        check_split_backward_schedule,
-        n_microbatches_for,
-        resolve_pipeline_layout,
-    )
-
-    if spec.pipelining_fn is None:
-        raise ParallelismError(
-            f"model {cfg.model.name} has no pipeline support; set "
-            "parallelism.pipeline_parallel_degree=1"
-        )
-    p = cfg.parallelism
-    layout = resolve_pipeline_layout(p, model, n_layers=model_args.n_layers, pp_rank=0)
-    n_microbatches = n_microbatches_for(p, cfg.training.local_batch_size)
-    check_microbatches(layout, n_microbatches, p.pipeline_parallel_degree)
-    check_split_backward_schedule(
-        layout, model_compile_enabled(cfg.compile), uses_op_sac(cfg.activation_checkpoint)
-    )
 
 
 def _check_components(cfg: JobConfig, device_type: str) -> None:
@@ -256,30 +184,17 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
         if on_this_machine:  # torch-free, so a missing file is reported in a blink
             _check_files(cfg)
         # The rest needs torch (imported here, so the checks above stay fast).
-        from torchtitan.build import gradient_accumulation_steps, reject_planned_features
-        from torchtitan.distributed.parallel_dims import ParallelDims
+        from torchtitan.plan import plan_run
 
-        if cfg.experimental.custom_import:  # it may register the model or dataset
-            importlib.import_module(cfg.experimental.custom_import)
-        if world_size is None:
-            world_size = default_world_size(cfg)
-        parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-        reject_planned_features(cfg, parallel_dims)
-        from torchtitan.components.fault_tolerance.layout import check_lighthouse, data_layout
-
-        gradient_accumulation_steps(
-            cfg, data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)[0]
-        )
-        _check_model(cfg, parallel_dims)
-        from torchtitan.components.optimizer_in_backward import check_early_step
-
-        check_early_step(cfg, parallel_dims)
+        parallel_dims = plan_run(cfg, world_size or default_world_size(cfg)).parallel_dims
         if on_this_machine:
             if device_type is None:
                 from torchtitan.tools.device import device_type as detected
 
                 device_type = detected
             _check_components(cfg, device_type)
+            from torchtitan.components.fault_tolerance.layout import check_lighthouse
+
             check_lighthouse(cfg.fault_tolerance)
             _check_datasets(cfg)
         _check_checkpoint(cfg, on_this_machine)

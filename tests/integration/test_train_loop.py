@@ -111,10 +111,10 @@ def test_tensorboard_from_trainer(tmp_path):
     ],
 )
 def test_planned_features_fail_clearly(kw, flags, needle):
-    from torchtitan.build import reject_planned_features
     from torchtitan.config.job_config import Parallelism
     from torchtitan.config.manager import ConfigManager
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.plan import reject_planned_features
 
     cfg = ConfigManager().parse_args(flags)
     dims = ParallelDims.from_config(Parallelism(**kw), 2)
@@ -216,9 +216,9 @@ def test_expert_parallel_borrows_the_tp_ranks_that_split_the_moe_tokens(
 
 
 def test_context_parallel_refuses_settings_it_cannot_honour():
-    from torchtitan.build import check_context_parallel
     from torchtitan.config.manager import ConfigManager
     from torchtitan.models.llama3 import llama3_args
+    from torchtitan.plan import check_context_parallel
 
     cfg = ConfigManager().parse_args(["--validation.enable", "--validation.seq_len", "128"])
     args = llama3_args["debugmodel"]

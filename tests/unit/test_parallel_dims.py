@@ -113,9 +113,9 @@ def test_repr_is_the_layout_string_checkpoints_key_rng_states_by():
 def test_expert_checks_name_the_dim_the_degree_must_divide():
     import torch
 
-    from torchtitan.build import check_expert_parallel
     from torchtitan.config.manager import ConfigManager
     from torchtitan.models.common.moe import MoE, MoEArgs
+    from torchtitan.plan import check_expert_parallel
 
     cfg = ConfigManager().parse_args(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"])
     with torch.device("meta"):

@@ -64,7 +64,7 @@ def block_tp_plan(block: nn.Module, float8_tensorwise: bool = False) -> dict[str
 def check_deepseekv3_tp(model: nn.Module, tp: int) -> None:
     """One line when the dense FFN width is not divisible by the TP degree (heads are checked
     by ``ParallelDims.validate_for_model``; expert hidden dims by
-    ``build.check_expert_parallel``)."""
+    ``plan.check_expert_parallel``)."""
     args = model.model_args
     check_feed_forward_tp(tp, args.inter_dim, "dense FFN inter_dim", args.n_dense_layers > 0)
 

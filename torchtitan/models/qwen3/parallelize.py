@@ -40,7 +40,7 @@ def qwen3_block_tp_plan(block: nn.Module, float8_tensorwise: bool = False) -> di
 def check_qwen3_tp(model: nn.Module, tp: int) -> None:
     """One line when the dense feed-forward width is not divisible by the TP degree (heads
     are checked by ``ParallelDims.validate_for_model``; expert hidden dims by
-    ``build.check_expert_parallel``)."""
+    ``plan.check_expert_parallel``)."""
     args = model.model_args
     has_dense = not all(args.is_moe_layer(i) for i in range(args.n_layers))
     check_feed_forward_tp(tp, args.hidden_dim, "feed-forward hidden_dim", has_dense)
