@@ -143,7 +143,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     then optimizers and LR schedulers. Raises ParallelismError / ValueError /
     FileNotFoundError with one line meant for people.
     """
-    import_custom_module(cfg)  # it may register the model, dataset or converter
+    import_custom_module(cfg.experimental)  # it may register the model, dataset or converter
     device = device if device is not None else get_device()
     parallel_dims = ParallelDims.from_config(cfg.parallelism, comm_mode.world_size)
     reject_planned_features(cfg, parallel_dims)  # not built: refused before any mode's rules

@@ -18,7 +18,7 @@ import torch
 from torchtitan.components.converters import check_converters
 from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import ModelSpec, get_model_spec
@@ -57,11 +57,11 @@ class RunPlan:
     """This replica group's first data rank in the job."""
 
 
-def import_custom_module(cfg: JobConfig) -> None:
+def import_custom_module(experimental: Experimental) -> None:
     """``experimental.custom_import``: the module that may register a model, a dataset or a
     converter (imported once; later calls are free)."""
-    if cfg.experimental.custom_import:
-        importlib.import_module(cfg.experimental.custom_import)
+    if experimental.custom_import:
+        importlib.import_module(experimental.custom_import)
 
 
 def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -75,10 +75,10 @@ def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None
     check_converters(cfg)  # known names, consistent [float8] / [mx] settings
 
 
-def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
+def gradient_accumulation_steps(training: Training, dp_degree: int) -> tuple[int, int]:
     """``(global batch size, microbatches per optimizer step)`` for ``dp_degree`` data ranks."""
-    local_bs = cfg.training.local_batch_size
-    global_bs = cfg.training.global_batch_size
+    local_bs = training.local_batch_size
+    global_bs = training.global_batch_size
     if global_bs < 0:
         global_bs = local_bs * dp_degree
     if global_bs % (local_bs * dp_degree):
@@ -89,13 +89,13 @@ def gradient_accumulation_steps(cfg: JobConfig, dp_degree: int) -> tuple[int, in
     return global_bs, global_bs // (local_bs * dp_degree)
 
 
-def check_validation_seq_len(cfg: JobConfig, model_args: Any) -> None:
+def check_validation_seq_len(validation: Validation, model_args: Any) -> None:
     """Validation batches must fit the model's RoPE table (``max_seq_len``, from
     ``training.seq_len``): ValueError before any step, not at the first validation."""
     max_seq_len = getattr(model_args, "max_seq_len", None)
-    if cfg.validation.enable and max_seq_len and cfg.validation.seq_len > max_seq_len:
+    if validation.enable and max_seq_len and validation.seq_len > max_seq_len:
         raise ValueError(
-            f"validation.seq_len={cfg.validation.seq_len} is longer than the model's "
+            f"validation.seq_len={validation.seq_len} is longer than the model's "
             f"max_seq_len={max_seq_len} (set from training.seq_len): set --validation.seq_len "
             f"{max_seq_len} or less"
         )
@@ -197,13 +197,13 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     ``tokenizer`` (the ranks have one) sets the vocabulary and checks the document
     separators; ``parallel_dims`` reuses degrees already resolved from ``cfg``.
     """
-    import_custom_module(cfg)
+    import_custom_module(cfg.experimental)
     if parallel_dims is None:
         parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
     reject_planned_features(cfg, parallel_dims)
     # Under fault tolerance the replica groups split the data (and the global batch) too.
     data_degree, data_rank_offset = data_layout(cfg.fault_tolerance, parallel_dims.dp_degree, 0)
-    global_bs, grad_accum = gradient_accumulation_steps(cfg, data_degree)
+    global_bs, grad_accum = gradient_accumulation_steps(cfg.training, data_degree)
 
     spec = get_model_spec(cfg.model.name)
     model_args = spec.get_model_args(cfg.model.flavor)
@@ -220,7 +220,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     )
     if parallel_dims.cp_enabled:
         check_context_parallel(cfg, model_args, parallel_dims.cp)
-    check_validation_seq_len(cfg, model_args)
+    check_validation_seq_len(cfg.validation, model_args)
     check_early_step(cfg, parallel_dims)
     _check_model_shapes(cfg, parallel_dims, spec, model_args)
     return RunPlan(

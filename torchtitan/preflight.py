@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, Parallelism
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.tools.logging import logger
 
@@ -39,9 +39,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 """What a bad config or a missing file raises: one line for people, exit code 2."""
 
 
-def default_world_size(cfg: JobConfig) -> int:
+def default_world_size(parallelism: Parallelism) -> int:
     """The world size the degrees ask for (``data_parallel_shard_degree=-1`` counts as 1)."""
-    p = cfg.parallelism
+    p = parallelism
     shard = max(p.data_parallel_shard_degree, 1)
     return (
         p.data_parallel_replicate_degree
@@ -186,7 +186,7 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
         # The rest needs torch (imported here, so the checks above stay fast).
         from torchtitan.plan import plan_run
 
-        parallel_dims = plan_run(cfg, world_size or default_world_size(cfg)).parallel_dims
+        parallel_dims = plan_run(cfg, world_size or default_world_size(cfg.parallelism)).parallel_dims
         if on_this_machine:
             if device_type is None:
                 from torchtitan.tools.device import device_type as detected

@@ -150,10 +150,10 @@ def test_async_tp_policy_refused_on_cpu_only():
 
 
 def test_default_world_size_is_the_product_of_the_degrees():
-    assert default_world_size(cfg_of()) == 1
+    assert default_world_size(cfg_of().parallelism) == 1
     cfg = cfg_of("--parallelism.data_parallel_shard_degree", "2",
                  "--parallelism.tensor_parallel_degree", "4")
-    assert default_world_size(cfg) == 8
+    assert default_world_size(cfg.parallelism) == 8
     assert check_run(cfg, None, on_this_machine=False).world_size == 8
 
 

@@ -75,9 +75,10 @@ def requested_converters(names: list[str]) -> dict[str, frozenset[str]]:
     return {name: frozenset(p) for name, p in parts.items()}
 
 
-def converts_linears(job_config: JobConfig, name: str) -> bool:
-    """Whether converter ``name`` (``float8`` / ``mx``) converts the Linear layers in this run."""
-    return "linear" in requested_converters(job_config.model.converters).get(name, ())
+def converts_linears(converters: list[str], name: str) -> bool:
+    """Whether converter ``name`` (``float8`` / ``mx``) converts the Linear layers when
+    ``model.converters`` is ``converters``."""
+    return "linear" in requested_converters(converters).get(name, ())
 
 
 class ModelConverter:

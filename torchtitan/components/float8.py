@@ -32,7 +32,7 @@ from torch import nn
 
 from torchtitan.components.converters import ModelConverter, converts_linears
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import Float8, JobConfig
 from torchtitan.tools.logging import logger
 
 FLOAT8_CAPABILITY = (8, 9)
@@ -73,14 +73,15 @@ def require_torchao(what: str) -> Any:
     return torchao
 
 
-def recipe_of(job_config: JobConfig) -> str:
-    return job_config.float8.recipe_name or "tensorwise"
+def recipe_of(float8: Float8) -> str:
+    """The float8 recipe (``float8.recipe_name``, tensorwise when unset)."""
+    return float8.recipe_name or "tensorwise"
 
 
 def float8_tensorwise_tp(job_config: JobConfig) -> bool:
     """True when TP should all-gather in float8: the float8 converter with tensorwise scaling
     (rowwise recipes use the plain TP styles; Float8Linear then all-gathers high precision)."""
-    return converts_linears(job_config, "float8") and recipe_of(job_config) == "tensorwise"
+    return converts_linears(job_config.model.converters, "float8") and recipe_of(job_config.float8) == "tensorwise"
 
 
 def _layer_pattern(fqn: str) -> str:
@@ -143,7 +144,7 @@ class Float8Converter(ModelConverter):
     @classmethod
     def check(cls, job_config: JobConfig) -> None:
         f8 = job_config.float8
-        recipe = recipe_of(job_config)
+        recipe = recipe_of(job_config.float8)
         if f8.enable_fsdp_float8_all_gather and recipe != "tensorwise":
             raise ConfigError(
                 "float8.enable_fsdp_float8_all_gather needs tensorwise scaling, but "
@@ -201,7 +202,7 @@ class Float8Converter(ModelConverter):
         from torchao.float8 import Float8LinearConfig
 
         f8 = job_config.float8
-        self.recipe = recipe_of(job_config)
+        self.recipe = recipe_of(job_config.float8)
         fsdp = bool(getattr(parallel_dims, "fsdp_enabled", False))
         self.all_gather = f8.enable_fsdp_float8_all_gather and fsdp
         if f8.enable_fsdp_float8_all_gather and not fsdp:
@@ -223,7 +224,7 @@ class Float8Converter(ModelConverter):
         self.config = dataclasses.replace(config, emulate=f8.emulate)
         self.filter_fqns = list(f8.filter_fqns)
         self.moe_fqns = list(f8.moe_fqns_prototype)
-        self.linears = converts_linears(job_config, self.name)
+        self.linears = converts_linears(job_config.model.converters, self.name)
 
     @property
     def float8_tensorwise_tp(self) -> bool:

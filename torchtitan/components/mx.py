@@ -69,7 +69,7 @@ class MXConverter(ModelConverter):
     @classmethod
     def check(cls, job_config: JobConfig) -> None:
         resolve_recipe(job_config.mx.recipe_name)
-        if converts_linears(job_config, "float8") and converts_linears(job_config, "mx"):
+        if converts_linears(job_config.model.converters, "float8") and converts_linears(job_config.model.converters, "mx"):
             raise ConfigError("model.converters: float8 and mx both convert the Linear layers; "
                               "choose one")
 
@@ -116,7 +116,7 @@ class MXConverter(ModelConverter):
         self.config.out_dtype = torch.float32 if fp32 else torch.bfloat16
         self.filter_fqns = list(mx.filter_fqns)
         self.moe_fqns = list(mx.moe_fqns_prototype)
-        self.linears = converts_linears(job_config, self.name)
+        self.linears = converts_linears(job_config.model.converters, self.name)
 
     def convert(self, model: nn.Module) -> None:
         from torchao.quantization import quantize_

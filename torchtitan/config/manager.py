@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.preflight import USER_ERRORS, check_run, default_world_size, summary
 
     ngpu = os.environ.get("NGPU", "")
-    world_size = tool["world_size"] or (int(ngpu) if ngpu.isdigit() else default_world_size(cfg))
+    world_size = tool["world_size"] or (int(ngpu) if ngpu.isdigit() else default_world_size(cfg.parallelism))
     on_this_machine = tool["check"] and not os.environ.get("COMM_MODE", "").strip()
     try:
         parallel_dims = check_run(cfg, world_size, on_this_machine=on_this_machine)
