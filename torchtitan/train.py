@@ -231,6 +231,8 @@ class Trainer(Stateful):
             self.checkpointer.save_seed_checkpoint()
             return
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if self.step < cfg.training.steps:  # it trains on: a rewind's newer steps go aside now
+            self.checkpointer.set_aside_abandoned()
         if self.ft is not None:
             self.ft.after_checkpoint_load()
         self.comm_mode.load_initial_weights(self.model_parts)  # COMM_MODE=local_tensor

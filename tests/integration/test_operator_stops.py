@@ -99,6 +99,8 @@ def test_rewind_then_a_plain_restart_continues_the_rewound_trajectory(tmp_path):
     assert any("Training starts at step 3" in m for m in log)
     (line,) = [m for m in log if "rewound" in m]
     assert "rewound to step-2 (checkpoint.load_step): the newer step-4, step-6 belong to the abandoned trajectory" in line
+    # set aside before the first step, so a restart before the new step-4 skips them too
+    assert log.index(line) < next(i for i, m in enumerate(log) if "Training starts" in m)
     assert not any("already existed" in m for m in log), log  # the new step-4 met no old one
     names = _names(folder)
     assert [n for n in names if "." not in n] == ["step-2", "step-4"]

@@ -82,6 +82,8 @@ def test_rewind_sets_newer_steps_aside_and_a_plain_restart_follows_the_new_traje
     rewound = Run(tmp_path, offset=100.0)  # another trajectory from step 2 on
     log.clear()
     assert rewound.ckpt.load(step=2) and rewound.state.step == 2
+    assert _names(first.folder) == ["step-2", "step-4", "step-6"]  # the load alone renames nothing
+    rewound.ckpt.set_aside_abandoned()  # what the Trainer does before training on
     (line,) = [m for m in _warnings(log) if "rewound" in m]
     assert "rewound to step-2 (checkpoint.load_step): the newer step-4, step-6 belong to the abandoned" in line
     names = _names(first.folder)
@@ -101,6 +103,32 @@ def test_rewind_sets_newer_steps_aside_and_a_plain_restart_follows_the_new_traje
     # nothing was lost: the abandoned folders still load by hand
     (old6,) = [n for n in _names(first.folder) if n.startswith("step-6.abandoned-")]
     assert (first.folder / old6 / ".committed").exists()
+
+
+def test_a_reader_of_an_older_step_changes_nothing_and_a_first_save_sets_aside(tmp_path, log):
+    """Loading an older step to look at it (or reshard it) into a folder that this manager
+    never saves to leaves the newer steps where they are; a save there is a rewind."""
+    first = Run(tmp_path)
+    first.train(6)
+    first.close()
+    reader = Run(tmp_path)
+    assert reader.ckpt.load(step=2) and reader.state.step == 2
+    reader.close()
+    assert _names(first.folder) == ["step-2", "step-4", "step-6"]
+    assert not [m for m in _warnings(log) if "rewound" in m]
+    newest = Run(tmp_path)
+    assert newest.ckpt.load() and newest.state.step == 6 and newest.weight == first.weight
+    newest.close()
+
+    writer = Run(tmp_path, offset=100.0)
+    assert writer.ckpt.load(step=2)
+    writer.train(3)  # no save at step 3 (interval 2): still nothing renamed
+    assert _names(first.folder) == ["step-2", "step-4", "step-6"]
+    writer.train(4)
+    writer.close()
+    assert [n for n in _names(first.folder) if "." not in n] == ["step-2", "step-4"]
+    assert sorted(n.split(".")[0] for n in _names(first.folder) if ".abandoned-" in n) == ["step-4", "step-6"]
+    assert len([m for m in _warnings(log) if "rewound to step-2" in m]) == 1
 
 
 def test_load_only_rewind_changes_nothing(tmp_path):

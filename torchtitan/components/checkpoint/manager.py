@@ -96,6 +96,8 @@ class CheckpointManager:
         self.guard = SaveGuard(self.model)
         self.loaded: list[str] = []
         """The states the last ``load`` restored (empty: nothing was loaded)."""
+        self._rewound_to: int | None = None
+        """The older step a ``load(step)`` rewound to, until its newer folders are set aside."""
         self.sd_adapter = sd_adapter
         self.tokenizer = tokenizer
         self.states: dict[str, Stateful] = {}
@@ -269,6 +271,7 @@ class CheckpointManager:
                     f"checkpoint stays {safe.path if safe else 'none'}"
                 )
             return
+        self.set_aside_abandoned()  # this save starts the rewound trajectory in the folder
         cfg = self.config
         model_only = last_step and cfg.last_save_model_only
         if model_only:
@@ -339,7 +342,9 @@ class CheckpointManager:
     def load(self, step: int = -1) -> bool:
         """Load the newest complete checkpoint (or ``step-<step>``), else ``initial_load_path``;
         with checkpoint.enable off, ``initial_load_path`` only (if set; nothing is saved).
-        Loading an older ``step`` than the newest (a rewind) sets the newer step folders aside.
+        Loading an older ``step`` than the newest is a rewind: the newer step folders are set
+        aside by :meth:`set_aside_abandoned` (the Trainer calls it before training on) or by the
+        first save, never by the load alone (a reader of an old step changes nothing).
 
         Returns True when something was loaded. Raises CheckpointError with a one-line reason.
         """
@@ -367,14 +372,18 @@ class CheckpointManager:
                 f"in {time.perf_counter() - begin:.2f} s"
             )
         if step >= 0 and plan.step == step and not self.config.load_only:
-            self._set_aside_newer(step)
+            self._rewound_to = step
         self.guard.start()
         return True
 
-    def _set_aside_newer(self, step: int) -> None:
-        """A rewind: the ``step-N`` folders newer than the loaded ``step`` belong to the
-        abandoned trajectory. Renamed (never deleted), so no later restart resumes from them
-        and this run's saves of those steps meet no old folder."""
+    def set_aside_abandoned(self) -> None:
+        """After a rewind (``load`` of an older step): rename the ``step-N`` folders newer than
+        the loaded step, the abandoned trajectory (never deleted), so no later restart resumes
+        from them and this run's saves of those steps meet no old folder. Collective; a no-op
+        without a pending rewind."""
+        step, self._rewound_to = self._rewound_to, None
+        if step is None:
+            return
         error = None
         if rank() == 0:
             try:
