@@ -340,7 +340,10 @@ class Trainer(Stateful):
         """SIGTERM / Ctrl-C aborted step ``self.step``: save the last completed step as it was."""
         self.step -= 1
         done = self.step
-        if before is None or done == 0 or self.checkpointer.has_step(done):
+        if self.ft is not None and not self.ft.writes_checkpoints():
+            # the groups share one folder: a second writer of step-N would clash with the first
+            what = "another replica group writes the shared checkpoint"
+        elif before is None or done == 0 or self.checkpointer.has_step(done):
             what = "nothing new to save" if before is not None else "checkpointing is off"
         else:
             self.checkpointer.save(done, force=True, overrides=before)

@@ -15,6 +15,7 @@ file-system work, safe without a process group.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -209,6 +210,23 @@ def superseded_name(final_path: str, tag: str = SUPERSEDED) -> str:
     return name
 
 
+def _check_listed(tmp_path: str, files: dict[str, int]) -> None:
+    """Raise OSError unless DCP's ``.metadata`` and every file the marker lists are in
+    ``tmp_path`` with their sizes: never rename a folder whose marker names missing files (e.g.
+    another process removed the shared ``step-N.tmp`` while it was committed)."""
+    for rel in (DCP_METADATA, *files):
+        full = os.path.join(tmp_path, rel)
+        try:
+            size = os.path.getsize(full)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"{rel} is gone before the commit (removed by another process?)", full
+            ) from None
+        if rel in files and size != files[rel]:
+            why = f"{rel} changed size during the commit ({files[rel]} -> {size} bytes)"
+            raise OSError(errno.ESTALE, why, full)
+
+
 def commit_checkpoint(
     tmp_path: str, final_path: str, info: dict[str, Any], replace: bool = False
 ) -> str | None:
@@ -230,6 +248,7 @@ def commit_checkpoint(
         os.fsync(f.fileno())
     os.replace(marker_tmp, os.path.join(tmp_path, COMMIT_MARKER))
     _fsync_dir(tmp_path)
+    _check_listed(tmp_path, marker["files"])
     aside = None
     if os.path.exists(final_path):
         # Re-saving a step: move the old copy aside first so the rename below is atomic.
