@@ -8,51 +8,35 @@ the two models compute identical logits.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from torchtitan.models.common.hf_adapter import (
+    BLOCK_NORMS,
+    GQA_ATTENTION,
+    LAYER,
+    TOP_KEYS,
+    HFStateDictAdapter,
+    RopeHalfSplit,
+    interleaved_to_half,
+    layer_keys,
+    swiglu,
+)
 from torchtitan.models.common.rope import RoPEScalingArgs
 from torchtitan.models.llama3.args import TransformerModelArgs
 
-# ours -> HF; "{}" is the layer index.
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
-_HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
-_OURS_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Buffers some HF versions saved; recomputed by both models, safe to drop.
-_HF_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+_ROPE = RopeHalfSplit(period=lambda args: args.head_dim)
 
 
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder ``wq``/``wk`` rows from interleaved RoPE pairs to HF's half-split layout."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.view(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    return interleaved_to_half(w, w.shape[0] // n_heads)
 
 
 def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of :func:`permute_to_hf`."""
-    out_dim, in_dim = w.shape
-    head_dim = out_dim // n_heads
-    return w.view(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    return interleaved_to_half(w, w.shape[0] // n_heads, inverse=True)
 
 
 def _ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | None]:
@@ -151,82 +135,17 @@ def hf_config_from_model_args(args: TransformerModelArgs, dtype: str = "float32"
     return config
 
 
-class Llama3StateDictAdapter:
-    """Converts Llama state dicts between torchtitan FQNs and HF ``LlamaForCausalLM`` names.
+class Llama3StateDictAdapter(HFStateDictAdapter):
+    """Llama state dicts between torchtitan FQNs and HF ``LlamaForCausalLM`` names."""
 
-    ``to_hf``/``from_hf`` take and return plain (full, unsharded) tensors keyed by name.
-    """
-
+    hf_name = "Llama"
+    key_map = {**TOP_KEYS, **layer_keys({**GQA_ATTENTION, **BLOCK_NORMS,
+                                         **swiglu("feed_forward", "mlp")})}
+    transforms = {
+        f"layers.{LAYER}.attention.wq.weight": _ROPE,
+        f"layers.{LAYER}.attention.wk.weight": _ROPE,
+    }
+    # Buffers some HF versions saved; recomputed by both models, safe to drop.
+    hf_ignored = r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$"
     args_from_hf_config = staticmethod(model_args_from_hf_config)
-
-    def __init__(self, model_args: TransformerModelArgs, hf_assets_path: str | None = None):
-        self.model_args = model_args
-        self.hf_assets_path = hf_assets_path
-
-    @property
-    def n_heads(self) -> int:
-        return self.model_args.n_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.model_args.effective_n_kv_heads
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our FQNs -> HF names (wq/wk permuted); ValueError naming any unknown key."""
-        hf: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        for key, value in state_dict.items():
-            if key in _TOP_MAP:
-                if key == "output.weight" and self.model_args.tie_word_embeddings:
-                    continue  # HF ties lm_head to embed_tokens itself
-                hf[_TOP_MAP[key]] = value
-                continue
-            m = _OURS_LAYER_RE.match(key)
-            if m is None or m.group(2) not in _LAYER_MAP:
-                unknown.append(key)
-                continue
-            layer, rest = m.groups()
-            if rest == "attention.wq.weight":
-                value = permute_to_hf(value, self.n_heads)
-            elif rest == "attention.wk.weight":
-                value = permute_to_hf(value, self.n_kv_heads)
-            hf[f"model.layers.{layer}.{_LAYER_MAP[rest]}"] = value
-        if unknown:
-            raise ValueError(
-                f"cannot map {len(unknown)} key(s) to HF Llama names, e.g. {unknown[:3]}"
-            )
-        return hf
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF names -> our FQNs (wq/wk permuted); ValueError naming any unknown key."""
-        sd: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        for key, value in hf_state_dict.items():
-            if _HF_IGNORED.search(key):
-                continue
-            if key in _HF_TOP_MAP:
-                sd[_HF_TOP_MAP[key]] = value
-                continue
-            m = _HF_LAYER_RE.match(key)
-            if m is None or m.group(2) not in _HF_LAYER_MAP:
-                unknown.append(key)
-                continue
-            layer, rest = m.groups()
-            ours = _HF_LAYER_MAP[rest]
-            if ours == "attention.wq.weight":
-                value = permute_from_hf(value, self.n_heads)
-            elif ours == "attention.wk.weight":
-                value = permute_from_hf(value, self.n_kv_heads)
-            sd[f"layers.{layer}.{ours}"] = value
-        if unknown:
-            raise ValueError(
-                f"cannot map {len(unknown)} HF key(s) to torchtitan Llama FQNs, e.g. {unknown[:3]}"
-            )
-        if "output.weight" not in sd and "tok_embeddings.weight" in sd:
-            if self.model_args.tie_word_embeddings:
-                sd["output.weight"] = sd["tok_embeddings.weight"]
-        return sd
-
-    def hf_config(self, dtype: str = "float32") -> dict[str, Any]:
-        """HF ``config.json`` contents for this model."""
-        return hf_config_from_model_args(self.model_args, dtype)
+    hf_config_from_args = staticmethod(hf_config_from_model_args)
