@@ -182,12 +182,10 @@ class ExpertTensorParallel:
         return sum_gradient_over_tp(tokens, self.etp_mesh), counts
 
     def exit(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromTensorParallel.apply(output, self.group_name)
-
-
-# dim of each expert weight that expert TP splits: the hidden dim (w1, w3: [E, H, D];
-# w2: [E, D, H]), so w1/w3 are column- and w2 row-parallel per expert
-_HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+        # the down-projection bias (if any) is added once, to the sum (GroupedExperts leaves
+        # it out while output_is_partial)
+        return module.add_down_bias(_ReduceFromTensorParallel.apply(output, self.group_name),
+                                    args[1])
 
 
 def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
@@ -197,7 +195,7 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
 
     Works on a meta-device model; returns the number of MoE layers.
     """
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from torchtitan.models.common.moe import moe_layers
 
@@ -213,8 +211,12 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
                             etp_mesh.size() if etp_mesh else 1)
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
+            # expert TP splits the hidden dim (w1/w3 column-, w2 row-parallel per expert; the
+            # biases of w1/w3 with them, w2's bias whole); ep the experts (biases included)
+            hidden = experts.hidden_dims[name]
             placements = [Shard(0)] if ep_mesh is not None else []
-            placements += [Shard(_HIDDEN_DIM[name])] if etp_mesh is not None else []
+            if etp_mesh is not None:
+                placements.append(Replicate() if hidden is None else Shard(hidden))
             sharded = distribute_tensor(param.data, mesh, placements)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         # pre-hooks run in registration order (dispatch, then TP), forward hooks too (TP
@@ -224,6 +226,7 @@ def apply_expert_parallel(model: nn.Module, parallel_dims: ParallelDims) -> int:
             experts.ep_dispatch = dispatch
             experts.register_forward_pre_hook(dispatch.dispatch)
         if etp_mesh is not None:
+            experts.output_is_partial = True
             expert_tp = ExpertTensorParallel(etp_mesh)
             experts.register_forward_pre_hook(expert_tp.enter)
             experts.register_forward_hook(expert_tp.exit)

@@ -87,6 +87,11 @@ class DecoderArgs:
         """Frequency scaling of the RoPE table (None: plain RoPE)."""
         return None
 
+    def attention_window(self, layer_id: int) -> int | None:
+        """Sliding window of block ``layer_id`` (None: unlimited): ``sliding_window_size`` in
+        every block unless the family alternates windowed and full layers."""
+        return self.sliding_window_size
+
     @property
     def attention_head_dims(self) -> tuple[int, int]:
         """(query/key, value) width of one attention head, for the attention FLOPs."""
@@ -328,10 +333,16 @@ class Decoder(nn.Module):
 
         ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
         ``attn_mask_type="block_causal"`` (and give the sequence length to pipeline stages
-        without the embedding); the mask is built once here for every layer."""
+        without the embedding); the mask is built once here for all layers with the same
+        window (``DecoderArgs.attention_window``)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        mask = batch_attention_mask(self.model_args, tokens, document_ids, h.device)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_mask=mask)
+        masks: dict[int | None, Any] = {}
+        for key, layer in self.layers.items():
+            window = self.model_args.attention_window(int(key))
+            if window not in masks:
+                masks[window] = batch_attention_mask(
+                    self.model_args, tokens, document_ids, h.device, sliding_window=window
+                )
+            h = layer(h, self.freqs_cis, attention_mask=masks[window])
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -270,27 +270,41 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
-           compiled_flex: bool = True, scale: float | None = None, n_rep: int = 1) -> torch.Tensor:
+           compiled_flex: bool = True, scale: float | None = None, n_rep: int = 1,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`
     (``scale``: the softmax scale, default ``1/sqrt(D)``). Grouped-query attention: ``k`` and
     ``v`` have ``H / n_rep`` heads, each shared by ``n_rep`` query heads. A
     :class:`ShardedMask` gathers the whole sequence's keys/values first (before the heads are
-    repeated, so ``n_rep`` times less traffic)."""
+    repeated, so ``n_rep`` times less traffic). ``sinks`` (``[H]``): one more logit per head in
+    the softmax denominator (``attention_sinks.py``: an extra key for SDPA, an ``lse``
+    rescale for FlexAttention)."""
     if isinstance(mask, ShardedMask):
         k, v = mask.gather_kv(k, v)
         mask = mask.mask
     if n_rep > 1:
         k = repeat_kv(k.transpose(1, 2), n_rep).transpose(1, 2)
         v = repeat_kv(v.transpose(1, 2), n_rep).transpose(1, 2)
+    if sinks is not None and (mask is None or isinstance(mask, torch.Tensor)):
+        from torchtitan.models.common.attention_sinks import sdpa_with_sinks
+
+        return sdpa_with_sinks(q, k, v, mask, sinks, scale)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if compiled_flex:
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale)
-    from torch.nn.attention.flex_attention import flex_attention
+        flex = _compiled_flex_attention()
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+    if sinks is None:
+        return flex(q, k, v, block_mask=mask, scale=scale)
+    from torch.nn.attention.flex_attention import AuxRequest
 
-    return flex_attention(q, k, v, block_mask=mask, scale=scale)
+    from torchtitan.models.common.attention_sinks import rescale_by_sinks
+
+    out, aux = flex(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
+    return rescale_by_sinks(out, aux.lse, sinks)
 
 
 def validate_mask_settings(args: Any) -> None:
@@ -306,21 +320,29 @@ def validate_mask_settings(args: Any) -> None:
 
 
 def uses_attention_mask(args: Any) -> bool:
-    """The model's attention needs a per-batch mask (documents, a window or FlexAttention),
-    not plain causal SDPA."""
+    """The model's attention needs a per-batch mask (documents, a window, FlexAttention or
+    attention sinks), not plain causal SDPA (context parallel then takes its masked path)."""
     return getattr(args, "attn_mask_type", "causal") != "causal" or bool(
         getattr(args, "sliding_window_size", None) or getattr(args, "use_flex_attn", False)
+        or getattr(args, "attention_sinks", False)
     )
 
 
+_ARGS_WINDOW: Any = object()
+
+
 def batch_attention_mask(
-    args: Any, tokens: torch.Tensor, document_ids: torch.Tensor | None, device: torch.device
+    args: Any, tokens: torch.Tensor, document_ids: torch.Tensor | None, device: torch.device,
+    sliding_window: int | None = _ARGS_WINDOW,
 ) -> Any:
-    """The mask a model's forward builds once per batch for all its layers, from its args
-    (``attn_mask_type``, ``sliding_window_size``, ``use_flex_attn``): None for plain causal
-    attention. ``document_ids`` give the batch shape to pipeline stages whose input is hidden
+    """The mask a model's forward builds once per batch for its layers, from its args
+    (``attn_mask_type``, ``sliding_window_size`` unless ``sliding_window`` is given, for layers
+    with their own window, ``use_flex_attn``): None for plain causal attention.
+    ``document_ids`` give the batch shape to pipeline stages whose input is hidden
     states ``[B, S, D]`` rather than tokens. Inside :func:`sharded_sequence` ``tokens`` hold
     this rank's part of each sequence and ``document_ids`` the whole sequence's."""
+    if sliding_window is _ARGS_WINDOW:
+        sliding_window = args.sliding_window_size
     shard = _active_shard
     if not uses_attention_mask(args) and shard is None:
         return None
@@ -334,7 +356,7 @@ def batch_attention_mask(
     return build_attention_mask(
         mask_type=args.attn_mask_type, doc_ids=document_ids, seq_len=seq_len,
         batch_size=shape[0], device=device,
-        sliding_window=args.sliding_window_size, use_flex=args.use_flex_attn, shard=shard,
+        sliding_window=sliding_window, use_flex=args.use_flex_attn, shard=shard,
     )
 
 

@@ -1,9 +1,11 @@
 """Mixture-of-experts layer: token-choice top-k router, grouped-GEMM experts, shared experts.
 
 Plain model code (no parallelism). ``MoE.forward`` routes each token to ``top_k`` of
-``num_experts`` SwiGLU experts, runs every expert on its tokens at once with grouped GEMM
+``num_experts`` gated experts (``grouped_experts.py``: SwiGLU or clamped SwiGLU, optionally
+with biases), runs every expert on its tokens at once with grouped GEMM
 (``torch._grouped_mm``; a per-expert loop is the reference and the fallback), weights the
-expert outputs by the routing scores and adds the shared experts' output.
+expert outputs by the routing scores and adds the shared experts' output. The router's linear
+may have a bias (``router_bias``).
 
 Load balancing without an auxiliary loss (DeepSeek-V3): a per-expert bias is added to the
 scores used to *choose* experts (not to the weights); after every optimizer step
@@ -16,6 +18,7 @@ through :class:`AddAuxiliaryLoss` without changing the reported loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -25,6 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.grouped_experts import (  # noqa: F401  (re-exported)
+    GroupedExperts,
+    clamped_swiglu,
+    swiglu,
+)
 
 
 @dataclass
@@ -47,6 +55,17 @@ class MoEArgs:
     """Step size of the load-balancing bias update; None turns the bias off."""
     aux_loss_coeff: float = 0.0
     """Weight of the sequence-level auxiliary balance loss (0: off)."""
+    router_bias: bool = False
+    """The router's scores are a linear layer with a bias (gpt-oss)."""
+    expert_linear_bias: bool = False
+    """Every expert's gate, up and down projections have biases (gpt-oss; not the
+    load-balancing ``expert_bias``)."""
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts' gate: ``silu(gate) * up``, or gpt-oss's ``clamped_swiglu``."""
+    swiglu_alpha: float = 1.702
+    """``clamped_swiglu``: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ..."""
+    swiglu_limit: float = 7.0
+    """... ``g = min(gate, limit)``."""
     use_grouped_mm: bool = True
     force_load_balance: bool = False
     """Route tokens round-robin over the experts (``debug.moe_force_load_balance``)."""
@@ -61,6 +80,13 @@ class MoEArgs:
             )
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"moe score_func={self.score_func!r} must be 'softmax' or 'sigmoid'")
+        if self.expert_activation not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(
+                f"moe expert_activation={self.expert_activation!r} must be 'swiglu' or "
+                "'clamped_swiglu'"
+            )
+        if self.expert_activation == "clamped_swiglu" and self.swiglu_limit <= 0:
+            raise ValueError(f"moe swiglu_limit={self.swiglu_limit} must be positive")
         groups, limited = self.num_expert_groups, self.num_limited_groups
         if (groups is None) != (limited is None):
             raise ValueError("moe num_expert_groups and num_limited_groups must be set together")
@@ -86,10 +112,12 @@ class TokenChoiceTopKRouter(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
 
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
@@ -131,93 +159,10 @@ def _limit_to_groups(choice: torch.Tensor, n_groups: int, n_limited: int) -> tor
     return choice.masked_fill(~mask, float("-inf"))
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (grouped GEMM's
-    backward rejects expanded, stride-0 gradients)."""
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ARG004
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ARG004
-        return grad.contiguous()
-
-
-class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts as stacked weights ``w1, w3: [E, H, D]``, ``w2: [E, D, H]``
-    (each slice laid out like an ``nn.Linear`` weight)."""
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
-        super().__init__()
-        self.num_experts = num_experts
-        self.use_grouped_mm = use_grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-
-    def init_weights(self, init_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
-        for w in (self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[N, D]``: tokens sorted by expert, ``num_tokens_per_expert[e]`` of expert e."""
-        w1, w2, w3 = (_autocast(_local(w), x.device.type) for w in (self.w1, self.w2, self.w3))
-        if self.use_grouped_mm and _grouped_mm_supported(w1):
-            return _run_grouped(x, num_tokens_per_expert, w1, w2, w3)
-        return _run_loop(x, num_tokens_per_expert, w1, w2, w3)
-
-
-def _autocast(w: torch.Tensor, device_type: str) -> torch.Tensor:
-    """``w`` in the autocast dtype when autocast is on: autocast casts matmuls but not
-    ``torch._grouped_mm``, so the experts cast their weights themselves. Converter weight
-    wrappers (float8 / MX) choose their own dtypes and are left as they are."""
-    if not torch.is_autocast_enabled(device_type) or type(w) not in (torch.Tensor, nn.Parameter):
-        return w
-    dtype = torch.get_autocast_dtype(device_type)
-    return w if w.dtype == dtype else w.to(dtype)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    """The local shard of a parameter (experts run per rank on the experts it holds)."""
-    from torch.distributed.tensor import DTensor
-
-    return w.to_local() if isinstance(w, DTensor) else w
-
-
-def _grouped_mm_supported(w: torch.Tensor) -> bool:
-    """Whether the grouped GEMM runs in ``w``'s dtype (the inputs are cast to it)."""
-    if w.dtype == torch.float32 and torch.compiler.is_compiling():
-        return False  # grouped GEMM's meta kernel (used by torch.compile) accepts bf16 only
-    return hasattr(torch, "_grouped_mm") and w.dtype in (torch.float32, torch.bfloat16)
-
-
-def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import is_fake
-
-    if a.dtype != torch.bfloat16 and is_fake(a):
-        # Fake-tensor dry runs (COMM_MODE=fake_backend): the meta kernel accepts bf16 only,
-        # and only the shapes matter there.
-        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).to(a.dtype)
-    return torch._grouped_mm(a, b, offs=offs)
-
-
-def _run_grouped(x, counts, w1, w2, w3) -> torch.Tensor:
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    x = x.to(w1.dtype)
-    gate = _ContiguousGrad.apply(_gmm(x, w1.transpose(-2, -1), offsets))
-    up = _ContiguousGrad.apply(_gmm(x, w3.transpose(-2, -1), offsets))
-    h = F.silu(gate) * up
-    return _ContiguousGrad.apply(_gmm(h, w2.transpose(-2, -1), offsets))
-
-
-def _run_loop(x, counts, w1, w2, w3) -> torch.Tensor:
-    outs = []
-    for e, chunk in enumerate(torch.split(x, counts.tolist(), dim=0)):
-        h = F.silu(chunk @ w1[e].transpose(0, 1)) * (chunk @ w3[e].transpose(0, 1))
-        outs.append(h @ w2[e].transpose(0, 1))
-    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w2.shape[1])
+def _activation(args: MoEArgs):
+    if args.expert_activation == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, alpha=args.swiglu_alpha, limit=args.swiglu_limit)
+    return swiglu
 
 
 class SharedExperts(FeedForward):
@@ -249,7 +194,10 @@ class MoE(nn.Module):
         args.validate()
         self.args = args
         self.router = TokenChoiceTopKRouter(dim, args)
-        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.experts = GroupedExperts(
+            dim, hidden_dim, args.num_experts, args.use_grouped_mm,
+            bias=args.expert_linear_bias, activation=_activation(args),
+        )
         self.shared_experts = (
             SharedExperts(dim, hidden_dim * args.num_shared_experts)
             if args.num_shared_experts > 0

@@ -1,4 +1,6 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1 and YaRN frequency scaling."""
+"""Rotary position embeddings (RoPE), with Llama 3.1 and YaRN frequency scaling, in two
+pairings: interleaved ``(2i, 2i+1)`` (:func:`apply_rotary_emb`) and HF's rotate-half
+``(i, i + head_dim/2)`` (:func:`apply_rotary_emb_half`)."""
 
 from __future__ import annotations
 
@@ -140,3 +142,28 @@ def apply_rotary_emb(
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_half(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in HF's rotate-half layout on ``[B, S, H, head_dim]`` tensors: ``x * cos +
+    rotate_half(x) * sin`` with the angles (and magnitude) of the first ``S`` rows of the
+    complex table ``freqs_cis`` ``[>=S, head_dim/2]``. Computed in float32, cast back to the
+    inputs' dtypes."""
+    seqlen = xq.shape[1]
+    if freqs_cis.shape[0] < seqlen:
+        raise ValueError(
+            f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
+            "raise the model's max_seq_len (it is set from training.seq_len)"
+        )
+    freqs = freqs_cis[:seqlen]
+    cos = torch.cat([freqs.real, freqs.real], dim=-1).view(1, seqlen, 1, -1)
+    sin = torch.cat([freqs.imag, freqs.imag], dim=-1).view(1, seqlen, 1, -1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
+
+    return rotate(xq), rotate(xk)

@@ -8,39 +8,14 @@ rotate-half pairing ``(i, i + head_dim/2)``, so HF weights load without any perm
 
 from __future__ import annotations
 
-import torch
-
 from torchtitan.models.common.attention import GroupedQueryAttention
 from torchtitan.models.common.decoder import Decoder, TransformerBlock
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.rope import apply_rotary_emb_half
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 __all__ = ["Attention", "Qwen3Model", "TransformerBlock", "apply_rotary_emb_half"]
-
-
-def apply_rotary_emb_half(
-    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE in HF's rotate-half layout on ``[B, S, H, head_dim]`` tensors: ``x * cos +
-    rotate_half(x) * sin`` with the angles of the first ``S`` rows of the complex table
-    ``freqs_cis`` ``[>=S, head_dim/2]``. Computed in float32, cast back to the inputs' dtypes."""
-    seqlen = xq.shape[1]
-    if freqs_cis.shape[0] < seqlen:
-        raise ValueError(
-            f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
-            "raise the model's max_seq_len (it is set from training.seq_len)"
-        )
-    freqs = freqs_cis[:seqlen]
-    cos = torch.cat([freqs.real, freqs.real], dim=-1).view(1, seqlen, 1, -1)
-    sin = torch.cat([freqs.imag, freqs.imag], dim=-1).view(1, seqlen, 1, -1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
-
-    return rotate(xq), rotate(xk)
 
 
 class Attention(GroupedQueryAttention):
