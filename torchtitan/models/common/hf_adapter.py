@@ -31,6 +31,8 @@ import torch
 
 LAYER, EXPERT = "{layer}", "{expert}"
 _INDEX = re.compile(r"(?:^|(?<=\.))\d+(?=\.|$)")
+# Module names that activation checkpointing, compile and FSDP1 insert into FQNs.
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 def layer_keys(names: dict[str, str]) -> dict[str, str]:
     """Layer-relative names (ours -> HF) as patterns under ``layers.{layer}.`` (ours) and
@@ -282,7 +284,8 @@ class HFStateDictAdapter:
         """What ``to_hf`` loses of ``state_dict`` that is not zero ("" when nothing)."""
         lost = []
         for pattern, dropped in self.active_export_drops().items():
-            values = [v for k, v in state_dict.items() if canonical_key(k)[0] == pattern]
+            values = [v for k, v in state_dict.items()
+                      if canonical_key(_WRAPPERS.sub("", k))[0] == pattern]
             nonzero = [v for v in values if v.numel() and v.abs().max() > 0]
             if nonzero:
                 top = max(float(v.abs().max()) for v in nonzero)

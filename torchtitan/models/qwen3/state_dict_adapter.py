@@ -16,43 +16,23 @@ exports refuse it unless asked to be lossy).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-import torch
-
+from torchtitan.models.common.hf_adapter import (
+    BLOCK_NORMS,
+    FUSED_EXPERTS,
+    GQA_ATTENTION,
+    LAYER,
+    MOE_EXPERTS,
+    MOE_ROUTER,
+    TOP_KEYS,
+    HFStateDictAdapter,
+    layer_keys,
+    routing_bias_dropped,
+    swiglu,
+)
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
-
-# ours -> HF; inside "model.layers.{i}."
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "moe.router.gate.weight": "mlp.gate.weight",
-}
-_TOP_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_EXPERT_MAP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
-_HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
-_HF_EXPERT_MAP = {v: k for k, v in _EXPERT_MAP.items()}
-_OURS_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_HF_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
 
 def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3ModelArgs:
     """``Qwen3ModelArgs`` from an HF Qwen3 / Qwen3-MoE ``config.json`` dict; ValueError naming
@@ -153,116 +133,30 @@ def _check_hf_moe(m: MoEArgs) -> None:
             )
 
 
-class Qwen3StateDictAdapter:
-    """Converts Qwen3 state dicts between torchtitan FQNs and HF Hub names.
+class Qwen3StateDictAdapter(HFStateDictAdapter):
+    """Qwen3 state dicts between torchtitan FQNs and HF Hub names."""
 
-    ``to_hf``/``from_hf`` take and return plain (full, unsharded) tensors keyed by name.
-    """
-
+    hf_name = "Qwen3"
+    key_map = {**TOP_KEYS, **layer_keys({
+        **GQA_ATTENTION, **BLOCK_NORMS, **swiglu("feed_forward", "mlp"), **MOE_ROUTER,
+        "attention.q_norm.weight": "self_attn.q_norm.weight",
+        "attention.k_norm.weight": "self_attn.k_norm.weight",
+    })}
+    expert_map = MOE_EXPERTS
+    fused_hf_keys = FUSED_EXPERTS
+    export_drops = {f"layers.{LAYER}.moe.expert_bias": routing_bias_dropped(
+        "HF Qwen3-MoE has no routing bias")}
+    import_zeros = {f"layers.{LAYER}.moe.expert_bias": f"layers.{LAYER}.moe.experts.w1"}
     args_from_hf_config = staticmethod(model_args_from_hf_config)
+    hf_config_from_args = staticmethod(hf_config_from_model_args)
 
-    def __init__(self, model_args: Qwen3ModelArgs, hf_assets_path: str | None = None):
-        self.model_args = model_args
-        self.hf_assets_path = hf_assets_path
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our FQNs -> HF Hub names (experts split one by one); ValueError naming unknown keys."""
+    def check_exportable(self) -> None:
         if self.model_args.moe_args is not None:
             _check_hf_moe(self.model_args.moe_args)
-        hf: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        for key, value in state_dict.items():
-            if key in _TOP_MAP:
-                if key == "output.weight" and self.model_args.tie_word_embeddings:
-                    continue  # HF ties lm_head to embed_tokens itself
-                hf[_TOP_MAP[key]] = value
-                continue
-            m = _OURS_LAYER_RE.match(key)
-            if m is None:
-                unknown.append(key)
-                continue
-            layer, rest = m.groups()
-            prefix = f"model.layers.{layer}."
-            if rest in _LAYER_MAP:
-                hf[prefix + _LAYER_MAP[rest]] = value
-            elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
-                proj = _EXPERT_MAP[rest.rsplit(".", 1)[1]]
-                for j in range(value.shape[0]):
-                    hf[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j]
-            elif rest != "moe.expert_bias":  # HF has none (see dropped_by_export)
-                unknown.append(key)
-        if unknown:
-            raise ValueError(
-                f"cannot map {len(unknown)} key(s) to HF Qwen3 names, e.g. {unknown[:3]}"
-            )
-        return hf
 
-    def dropped_by_export(self, state_dict: dict[str, torch.Tensor]) -> str:
-        """What ``to_hf`` loses of ``state_dict``: a non-zero routing bias ("" when nothing)."""
-        biases = [v for k, v in state_dict.items() if k.endswith(".moe.expert_bias")]
-        biased = [v for v in biases if v.numel() and v.abs().max() > 0]
-        if not biased:
-            return ""
-        top = max(float(v.abs().max()) for v in biased)
+    def missing_experts_message(self, layer: int, hf_proj: str, present: list[int], n: int) -> str:
+        missing = sorted(set(range(n)) - set(present))
         return (
-            f"the load-balancing expert_bias of {len(biased)} MoE layer(s) is not zero (max "
-            f"|bias| {top:.3g}), but HF Qwen3-MoE has no routing bias: the exported model would "
-            "route tokens to other experts"
+            f"HF layer {layer} has experts {present[:4]}... but the model has {n} (missing "
+            f"{missing[:4]}); check model.flavor"
         )
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF names (Hub per-expert or transformers' fused layout) -> our FQNs; ValueError
-        naming unknown keys or missing experts."""
-        sd: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-        for key, value in hf_state_dict.items():
-            if _HF_IGNORED.search(key):
-                continue
-            if key in _HF_TOP_MAP:
-                sd[_HF_TOP_MAP[key]] = value
-                continue
-            m = _HF_LAYER_RE.match(key)
-            if m is None:
-                unknown.append(key)
-                continue
-            layer, rest = m.groups()
-            prefix = f"layers.{layer}."
-            e = _HF_EXPERT_RE.match(rest)
-            if rest in _HF_LAYER_MAP:
-                sd[prefix + _HF_LAYER_MAP[rest]] = value
-            elif e is not None:
-                experts.setdefault((layer, _HF_EXPERT_MAP[e.group(2)]), {})[int(e.group(1))] = value
-            elif rest == "mlp.experts.gate_up_proj":
-                w1, w3 = value.chunk(2, dim=1)
-                sd[prefix + "moe.experts.w1"], sd[prefix + "moe.experts.w3"] = w1, w3
-            elif rest == "mlp.experts.down_proj":
-                sd[prefix + "moe.experts.w2"] = value
-            else:
-                unknown.append(key)
-        if unknown:
-            raise ValueError(
-                f"cannot map {len(unknown)} HF key(s) to torchtitan Qwen3 FQNs, e.g. {unknown[:3]}"
-            )
-        n_experts = self.model_args.moe_args.num_experts if self.model_args.moe_args else 0
-        for (layer, w), per_expert in experts.items():
-            missing = sorted(set(range(n_experts)) - set(per_expert))
-            if missing or len(per_expert) != n_experts:
-                raise ValueError(
-                    f"HF layer {layer} has experts {sorted(per_expert)[:4]}... but the model has "
-                    f"{n_experts} (missing {missing[:4]}); check model.flavor"
-                )
-            sd[f"layers.{layer}.moe.experts.{w}"] = torch.stack(
-                [per_expert[j] for j in range(n_experts)]
-            )
-        for i in range(self.model_args.n_layers):
-            if self.model_args.is_moe_layer(i) and f"layers.{i}.moe.experts.w1" in sd:
-                sd[f"layers.{i}.moe.expert_bias"] = torch.zeros(n_experts)
-        if "output.weight" not in sd and "tok_embeddings.weight" in sd:
-            if self.model_args.tie_word_embeddings:
-                sd["output.weight"] = sd["tok_embeddings.weight"]
-        return sd
-
-    def hf_config(self, dtype: str = "float32") -> dict[str, Any]:
-        """HF ``config.json`` contents for this model."""
-        return hf_config_from_model_args(self.model_args, dtype)
