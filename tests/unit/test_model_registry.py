@@ -46,7 +46,7 @@ def test_every_family_folder_is_a_builtin_known_before_anything_imports_it(monke
         monkeypatch.delitem(sys.modules, f"torchtitan.models.{family}", raising=False)
     with pytest.raises(ValueError, match="Did you mean 'deepseek_v3'") as info:
         get_model_spec("deepseek_v4")
-    assert "deepseek_v3, llama2, llama3, qwen3" in str(info.value)
+    assert "deepseek_v3, gpt_oss, llama2, llama3, qwen3" in str(info.value)
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama2"])

@@ -252,6 +252,29 @@ class SumGradientOverTP(ParallelStyle):
         return module
 
 
+class WithShardedParameters(ParallelStyle):
+    """``style`` on a module plus its own parameters ``names`` sharded ``Shard(dim)`` over the
+    TP ranks: per-head parameters (attention sinks) follow the heads that the column-wise
+    projections give each rank (the module uses their local parts)."""
+
+    def __init__(self, style: ParallelStyle | None, names: tuple[str, ...], dim: int = 0):
+        super().__init__()
+        self.style, self.names, self.dim = style, names, dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_tensor
+
+        if self.style is not None:
+            module = self.style._apply(module, device_mesh)
+        for name in self.names:
+            param = getattr(module, name, None)
+            if param is None:
+                continue
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(self.dim)])
+            setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module
+
+
 def apply_non_block_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """:func:`non_block_tp_plan` on the parts ``model`` has (a pipeline stage may lack some);
     tied input/output embeddings stay tied, and the embedding's output is waited for."""

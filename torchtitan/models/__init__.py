@@ -22,7 +22,7 @@ __all__ = [
     "register_model_spec",
 ]
 
-_BUILTIN_FAMILIES = ("llama3", "llama2", "qwen3", "deepseek_v3")
+_BUILTIN_FAMILIES = ("llama3", "llama2", "qwen3", "deepseek_v3", "gpt_oss")
 _REGISTRY: dict[str, ModelSpec] = {}
 _builtins_loaded = False
 
