@@ -6,8 +6,8 @@
 ``CKPT_DIR`` is one ``step-N`` folder (any parallel layout: DCP reassembles full tensors). It is
 verified first as the trainer verifies a checkpoint before loading it (the files, sizes and
 CRC32s its ``.committed`` lists): a damaged one is refused, nothing written. ``--model`` is
-found from the checkpoint's weight names (``q_norm``: qwen3, MLA's ``wkv_a``: deepseek_v3, else
-llama3); one that disagrees is refused naming the right one.
+found from the checkpoint's weight names (the registered family whose key map holds them all
+and fits them best); one that disagrees is refused naming the right one.
 ``OUT_DIR`` receives the same files as ``checkpoint.last_save_in_hf``: ``model.safetensors`` (or
 shards plus an index), ``config.json`` (architecture, ``dtype``, the flavor's context length as
 ``max_position_embeddings``, BOS/EOS ids), ``generation_config.json`` (stops at EOS and, for
@@ -44,8 +44,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torchtitan.components.checkpoint import fs, hf, hf_check, load  # noqa: E402
-from torchtitan.models import get_model_spec  # noqa: E402
+from torchtitan.components.checkpoint import fs, hf, load  # noqa: E402
+from torchtitan.models import get_model_spec, hf_lookup, list_model_specs  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fields of the architecture that must agree between --flavor and the recorded model args.
@@ -141,21 +141,20 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-_KNOWN = {"llama3": "llama3", "llama2": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}
-"""model.name -> the model whose weight names it has (models registered by custom imports are
-taken at their word)."""
-
-
 def pick_model(ckpt_dir: str, model: str | None) -> str:
-    """``model``, or the model the checkpoint's weight names belong to; ValueError in one line
-    when they disagree (``this checkpoint is a qwen3 model; pass --model qwen3``)."""
-    found = hf_check.model_of_fqns(load.dcp_model_keys(load.read_dcp_metadata(ckpt_dir)))
+    """``model``, or the registered family the checkpoint's weight names belong to; ValueError
+    in one line when another family's adapter fits them better (``this checkpoint is a qwen3
+    model; pass --model qwen3``). Models the registry does not know yet, or whose adapter is
+    not declarative, are taken at their word."""
+    keys = load.dcp_model_keys(load.read_dcp_metadata(ckpt_dir))
+    found = hf_lookup.spec_for_fqns(keys)
     if model is None:
         if found is None:
             raise ValueError(f"cannot tell the model of {ckpt_dir} from its weight names; pass --model")
-        return found
-    if found is not None and model in _KNOWN and _KNOWN[model] != found:
-        raise ValueError(f"this checkpoint is a {found} model; pass --model {found}")
+        return found.name
+    if found is not None and model in list_model_specs():
+        if not hf_lookup.fqns_fit(get_model_spec(model), keys):
+            raise ValueError(f"this checkpoint is a {found.name} model; pass --model {found.name}")
     return model
 
 

@@ -29,10 +29,9 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from torchtitan.components.checkpoint import CheckpointError, hf, hf_check, load, save  # noqa: E402
-from torchtitan.models import get_model_spec  # noqa: E402
+from torchtitan.models import get_model_spec, hf_lookup  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_MODEL_TYPES = hf_check.HF_MODEL_TYPES
 
 
 def _warn(message: str) -> None:
@@ -40,14 +39,16 @@ def _warn(message: str) -> None:
 
 
 def _model_name(config: dict, model: str | None) -> str:
+    if model is not None:
+        return model
     model_type = config.get("model_type", "llama")
-    name = model or HF_MODEL_TYPES.get(model_type)
-    if name is None:
+    spec = hf_lookup.spec_for_hf_model_type(model_type)
+    if spec is None:
         raise ValueError(
             f"HF config model_type={model_type!r} has no torchtitan model; known: "
-            f"{', '.join(sorted(HF_MODEL_TYPES))} (or pass --model)"
+            f"{', '.join(hf_lookup.hf_model_types())} (or pass --model)"
         )
-    return name
+    return spec.name
 
 
 def adapter_for(config: dict, model: str | None = None) -> object:
@@ -55,8 +56,8 @@ def adapter_for(config: dict, model: str | None = None) -> object:
     spec = get_model_spec(_model_name(config, model))
     if spec.state_dict_adapter is None:
         raise ValueError(f"model {spec.name!r} has no HF state-dict adapter")
-    cls = spec.state_dict_adapter.resolve()
-    if hasattr(cls, "from_hf_config"):  # conversion depends on more than the model args
+    cls = hf_lookup.adapter_class(spec)
+    if hasattr(cls, "from_hf_config"):  # model args and the folder's weight layout
         return cls.from_hf_config(config)
     return cls(cls.args_from_hf_config(config))
 

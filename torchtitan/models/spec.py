@@ -94,7 +94,11 @@ class ModelSpec:
     )
     """``build_loss_fn(compile: bool, backend: str)`` -> summed token loss ``fn(pred, labels)``."""
     state_dict_adapter: Any | None = None
-    """HF <-> torchtitan state-dict converter class (None: not available)."""
+    """HF <-> torchtitan state-dict converter class (None: not available); a subclass of
+    ``models/common/hf_adapter.HFStateDictAdapter``."""
+    hf_model_types: tuple[str, ...] = ()
+    """The HF ``config.json`` ``model_type`` values this family reads and writes (e.g.
+    ``("qwen3", "qwen3_moe")``); HF imports find the family from them (``models/hf_lookup.py``)."""
 
     @property
     def flavors(self) -> list[str]:

@@ -1,5 +1,6 @@
 """Does an HF folder belong to this model? ``config.json`` against the flavor, and the weights'
-family (from their names) against ``config.json`` or the model.
+family (from their names) against ``config.json`` or the model. Families are the registry's
+(``models/hf_lookup.py``: each ``ModelSpec``'s ``hf_model_types`` and its adapter's key map).
 
 The comparison is made in HF's own terms: the folder's ``config.json`` and the flavor are both
 turned into the ``config.json`` torchtitan would export (the adapter's ``args_from_hf_config`` and
@@ -16,25 +17,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from torchtitan.components.checkpoint.common import CheckpointError
+from torchtitan.models import hf_lookup
 
 CONFIG = "config.json"
 
-HF_MODEL_TYPES = {
-    "llama": "llama3",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3",
-    "deepseek_v3": "deepseek_v3",
-    "deepseek_v2": "deepseek_v3",
-}
-"""HF ``model_type`` -> torchtitan ``model.name``."""
-
-# HF model_type -> what the weights' names can tell apart.
-_KIND = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-         "deepseek_v3": "deepseek", "deepseek_v2": "deepseek"}
-# Not the architecture: the context length (a run picks its own), the export dtype, the RoPE
-# layout of DeepSeek (the import follows the folder's), DeepSeek's MTP layer (dropped on import).
-_NOT_COMPARED = {"architectures", "dtype", "max_position_embeddings", "rope_interleave",
-                 "num_nextn_predict_layers"}
+_NOT_COMPARED = frozenset({"architectures", "dtype", "max_position_embeddings"})
+"""Fields no adapter compares (the adapter's ``not_compared`` adds its family's own)."""
 
 
 def read_config(folder: str) -> dict[str, Any] | None:
@@ -53,29 +41,22 @@ def read_config(folder: str) -> dict[str, Any] | None:
     return config
 
 
+def _family(model_type: str) -> str | None:
+    spec = hf_lookup.spec_for_hf_model_type(model_type)
+    return None if spec is None else spec.name
+
+
 def hf_kind_of_keys(keys: Iterable[str]) -> str | None:
-    """``llama`` / ``qwen3`` / ``qwen3_moe`` / ``deepseek`` from HF tensor names (None: none)."""
-    keys = list(keys)
-    if any("kv_a_proj_with_mqa" in k for k in keys):
-        return "deepseek"
-    if any(".self_attn.q_norm." in k for k in keys):
-        moe = any(".mlp.experts." in k or k.endswith(".mlp.gate.weight") for k in keys)
-        return "qwen3_moe" if moe else "qwen3"
-    if any(".self_attn.q_proj." in k for k in keys):
-        return "llama"
-    return None
+    """The HF ``model_type`` of the family HF tensor names ``keys`` belong to (the registry's
+    key maps; None: none)."""
+    spec = hf_lookup.spec_for_hf_keys(keys)
+    return spec.hf_model_types[0] if spec is not None and spec.hf_model_types else None
 
 
 def model_of_fqns(keys: Iterable[str]) -> str | None:
-    """The torchtitan model (``llama3`` / ``qwen3`` / ``deepseek_v3``) whose FQNs ``keys`` are."""
-    keys = list(keys)
-    if any(".attention.wkv_a." in k for k in keys):
-        return "deepseek_v3"
-    if any(".attention.q_norm." in k for k in keys):
-        return "qwen3"
-    if any(".attention.wq." in k for k in keys):
-        return "llama3"
-    return None
+    """The torchtitan model (``model.name``) whose FQNs ``keys`` are (None: none)."""
+    spec = hf_lookup.spec_for_fqns(keys)
+    return None if spec is None else spec.name
 
 
 def model_type_of(sd_adapter: Any) -> str:
@@ -87,9 +68,13 @@ def model_type_of(sd_adapter: Any) -> str:
 
 
 def other_kind(model_type: str, hf_keys: Iterable[str]) -> str | None:
-    """The weights' family (``hf_kind_of_keys``) when it is not ``model_type``'s, else None."""
-    want, have = _KIND.get(model_type), hf_kind_of_keys(hf_keys)
-    return have if want is not None and have is not None and want != have else None
+    """The weights' family (as ``hf_kind_of_keys``) when ``model_type``'s family is another
+    registered one, else None."""
+    want = hf_lookup.spec_for_hf_model_type(model_type)
+    have = hf_lookup.spec_for_hf_keys(hf_keys)
+    if want is None or have is None or hf_lookup.same_adapter(want, have):
+        return None
+    return have.hf_model_types[0] if have.hf_model_types else have.name
 
 
 def check_config_matches_weights(config: dict[str, Any], hf_keys: Iterable[str], source: str) -> None:
@@ -126,11 +111,12 @@ def _same(a: Any, b: Any) -> bool:
 
 def _normalized(config: dict[str, Any], adapter_cls: type) -> dict[str, Any]:
     args = adapter_cls.args_from_hf_config(config)
-    return _comparable(adapter_cls(args).hf_config())
+    return _comparable(adapter_cls(args).hf_config(), adapter_cls)
 
 
-def _comparable(hf_config: dict[str, Any]) -> dict[str, Any]:
-    config = {k: v for k, v in hf_config.items() if k not in _NOT_COMPARED}
+def _comparable(hf_config: dict[str, Any], adapter_cls: type) -> dict[str, Any]:
+    skip = _NOT_COMPARED | getattr(adapter_cls, "not_compared", frozenset())
+    config = {k: v for k, v in hf_config.items() if k not in skip}
     if "rope_parameters" in config:  # rope_scaling is its copy for older readers
         config.pop("rope_scaling", None)
     return _flat(config)
@@ -145,10 +131,10 @@ def compare_with_flavor(config: dict[str, Any], sd_adapter: Any, source: str) ->
         raise CheckpointError(f"{source}: the flavor has no HF equivalent ({err})") from None
     model_type = config.get("model_type", "llama")
     want_type = flavor_hf.get("model_type")
-    if HF_MODEL_TYPES.get(model_type) != HF_MODEL_TYPES.get(want_type):
+    if _family(model_type) != _family(want_type):
         raise CheckpointError(
             f"{source}: model_type is {model_type}, the flavor is a "
-            f"{HF_MODEL_TYPES.get(want_type, want_type)} model ({want_type})"
+            f"{_family(want_type) or want_type} model ({want_type})"
         )
     try:
         have = _normalized(config, type(sd_adapter))
@@ -156,7 +142,7 @@ def compare_with_flavor(config: dict[str, Any], sd_adapter: Any, source: str) ->
         raise CheckpointError(f"{source} has no {err.args[0]}") from None
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{source}: {err}") from None
-    want = _comparable(flavor_hf)
+    want = _comparable(flavor_hf, type(sd_adapter))
     diffs = [k for k in dict.fromkeys([*want, *have]) if not _same(have.get(k), want.get(k))]
     if diffs:
         key = diffs[0]

@@ -147,6 +147,7 @@ def _register() -> None:
             state_dict_adapter=lazy(
                 "torchtitan.models.deepseek_v3.state_dict_adapter:DeepSeekV3StateDictAdapter"
             ),
+            hf_model_types=("deepseek_v3", "deepseek_v2"),
         )
     )
 

@@ -21,6 +21,7 @@ def llama_model_spec(name: str, flavors: dict[str, TransformerModelArgs]) -> Mod
         state_dict_adapter=lazy(
             "torchtitan.models.llama3.state_dict_adapter:Llama3StateDictAdapter"
         ),
+        hf_model_types=("llama",),
     )
 
 

@@ -65,6 +65,7 @@ def qwen3_model_spec(name: str = "qwen3", flavors: dict[str, Qwen3ModelArgs] | N
         state_dict_adapter=lazy(
             "torchtitan.models.qwen3.state_dict_adapter:Qwen3StateDictAdapter"
         ),
+        hf_model_types=("qwen3", "qwen3_moe"),
     )
 
 
