@@ -1,0 +1,183 @@
+"""scripts/compare_upstream.py: log parsing, averages, the table, commands and the scratch
+folder (fast), and the whole CPU smoke run against upstream torchtitan 0.2.2 (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ASSETS, C4_TEST_VALID, REPO_ROOT, TIKTOKEN_FILE
+
+LOGS = ASSETS / "compare_upstream"  # recorded with --device cpu (upstream through its shim)
+# Upstream 0.2.2's step line on a GPU, as components/metrics.py formats it (colors on).
+GPU_LINE = ("[titan] 2026-11-27 10:00:00,000 - root - INFO - \x1b[31mstep: 20  \x1b[32mloss:  "
+            "7.12345  \x1b[33mgrad_norm:  0.9876  \x1b[36mmemory: 34.87GiB(44.07%)  "
+            "\x1b[34mtps: 53,924  \x1b[36mtflops: 2,467.31  \x1b[35mmfu: 31.53%\x1b[39m")
+
+
+@pytest.fixture(scope="module")
+def cu():
+    spec = importlib.util.spec_from_file_location(
+        "compare_upstream", REPO_ROOT / "scripts" / "compare_upstream.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    path = sys.path[:]
+    try:
+        spec.loader.exec_module(mod)  # puts scripts/ on sys.path for its two helpers
+        yield mod
+    finally:
+        sys.path[:] = path
+        for name in (spec.name, "compare_upstream_report", "compare_upstream_setup"):
+            sys.modules.pop(name, None)
+
+
+def test_parse_upstream_and_our_logs(cu):
+    up = cu.report.parse_steps((LOGS / "upstream_0.2.2_cpu.log").read_text())
+    assert [s.step for s in up] == [1, 2, 3, 4]
+    assert [s.tps for s in up] == [1774, 3602, 3825, 3779]
+    assert up[1].mfu == 0.04 and up[1].tflops == 0.13
+    assert all(s.memory_gib is None for s in up)  # upstream logs -0.00GiB without CUDA stats
+    ours = cu.report.parse_steps((LOGS / "ours_cpu.log").read_text())  # "[rank0]:" prefixed
+    assert [s.tps for s in ours] == [1736, 2609, 2718, 2557]
+    assert ours[0].mfu is None and ours[0].memory_gib == 0.55  # "mfu: n/a (unknown device)"
+    (gpu,) = cu.report.parse_steps(GPU_LINE + "\n[titan] validate step: 20  loss: 7.1\n")
+    assert (gpu.step, gpu.tps, gpu.tflops, gpu.mfu, gpu.memory_gib) == (
+        20, 53924, 2467.31, 31.53, 34.87)
+
+
+def test_summary_averages_the_steps_after_warmup(cu):
+    text = (LOGS / "upstream_0.2.2_cpu.log").read_text()
+    s = cu.report.summarize(text, warmup=1)
+    assert s.steps == (2, 3, 4)
+    assert s.tps == pytest.approx((3602 + 3825 + 3779) / 3)
+    assert s.mfu == pytest.approx(0.04) and s.memory_gib is None
+    lines = "\n".join(GPU_LINE.replace("step: 20", f"step: {n}").replace("53,924", f"{t:,}")
+                      .replace("34.87", m) for n, t, m in
+                      [(10, 1000, "40.00"), (20, 50000, "35.00"), (30, 52000, "36.50")])
+    s = cu.report.summarize(lines, warmup=10)  # step 10's window holds compilation
+    assert s.tps == 51000 and s.memory_gib == 36.5 and s.steps == (20, 30)
+    with pytest.raises(cu.report.ReportError, match="no training-step lines after step 30"):
+        cu.report.summarize(lines, warmup=30)
+
+
+def test_table_ratio_and_json(cu):
+    rs = cu.report.RunSummary
+    ours = cu.report.combine([rs(50000, 2000, 30.0, 35.0, (20, 30)),
+                              rs(52000, 2100, 32.0, 35.2, (20, 30))])
+    up = rs(50000, 2050, 31.0, 34.9, (20, 30))
+    assert ours.tps == 51000 and ours.mfu == 31.0 and ours.memory_gib == 35.2
+    assert cu.report.ratio(ours, up) == pytest.approx(1.02)
+    rows = [("bf16, AC none", ours, up), ("float8 tensorwise", None, up)]
+    table = cu.report.markdown_table(rows, "0.2.2").splitlines()
+    assert table[0].startswith("| setting | this project tok/s | upstream 0.2.2 tok/s | ratio")
+    assert table[2] == "| bf16, AC none | 51,000 | 50,000 | 1.020 | 31.00 / 31.00 | 35.20 / 34.90 |"
+    assert table[3] == "| float8 tensorwise | failed | 50,000 | n/a | n/a / 31.00 | n/a / 34.90 |"
+    data = json.loads(cu.report.json_line(rows, device="NVIDIA H100", torch="2.11"))
+    assert data["device"] == "NVIDIA H100" and data["results"][0]["ratio"] == 1.02
+    assert data["results"][1]["ours"] is None
+    assert data["results"][0]["upstream"]["tokens_per_s"] == 50000
+
+
+def test_same_flags_on_both_sides_except_the_setting(cu, tmp_path):
+    args = cu.parse_args(["--work-dir", str(tmp_path), "--settings", "bf16,flex,float8"])
+    assert (args.flavor, args.seq_len, args.batch, args.steps, args.warmup) == (
+        "8B_4layers", 4096, 2, 40, 10)
+    ours, env_o, cwd_o = cu.build_run(args, "ours", "flex", 0)
+    up, env_u, cwd_u = cu.build_run(args, "upstream", "flex", 0)
+    assert ours[0] == "./run_train.sh" and cwd_o == REPO_ROOT and env_o["NGPU"] == "1"
+    assert up[up.index("-m", 3) + 1] == "torchtitan.train" and cwd_u == tmp_path / "scratch"
+    # upstream's own folder first; this checkout is never on its path
+    assert env_u["PYTHONPATH"].split(os.pathsep)[:3] == [
+        str(tmp_path / "upstream"), str(tmp_path / "site"), str(tmp_path / "scratch")]
+    assert str(REPO_ROOT) not in env_u["PYTHONPATH"].split(os.pathsep)
+    tail_o, tail_u = ours[1:], up[up.index("torchtitan.train") + 1:]
+    assert tail_o[tail_o.index("--model.flavor") + 1] == "8B_4layers"
+    assert tail_u[tail_u.index("--model.flavor") + 1] == "8B_4layers_flex"
+    assert "--compile.enable" in tail_u and tail_o[-3:] == [
+        "--model.use_flex_attn", "--model.attn_mask_type", "block_causal"]
+    for name in ("bf16", "float8"):  # identical flags but the dump folder
+        o = cu.build_run(args, "ours", name, 0)[0][1:]
+        u = cu.build_run(args, "upstream", name, 0)[0]
+        u = u[u.index("torchtitan.train") + 1:]
+        assert [f.replace("upstream_", "ours_") for f in u] == o
+    assert "quantize.linear.float8" in o
+
+
+def test_cpu_smoke_defaults_and_one_line_errors(cu, tmp_path, capsys):
+    args = cu.parse_args(["--device", "cpu", "--work-dir", str(tmp_path)])
+    assert (args.flavor, args.steps, args.compile, args.settings) == (
+        "debugmodel", 4, False, ["bf16"])
+    cmd, env, _ = cu.build_run(args, "upstream", "bf16", 0)
+    assert "upstream_cpu_shim.py" in cmd and env["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(SystemExit) as e:
+        cu.parse_args(["--settings", "bf16,fp4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --settings: unknown ['fp4']") and err.count("\n") == 1
+    log = (LOGS / "upstream_0.2.2_float8_cpu_failure.log").read_text()
+    assert cu._reason(log).startswith("ValueError: Failed to swap to Float8Linear")
+    assert cu._reason("[rank0]: x\n[rank0]:error: model.converters float8 needs a GPU\n") == (
+        "error: model.converters float8 needs a GPU")
+
+
+def test_tokenizer_json_matches_our_tiktoken_ids(cu, tmp_path, tiktoken_tokenizer):
+    tokenizers = pytest.importorskip("tokenizers")
+    assert cu.setup.tiktoken_to_tokenizer_json(TIKTOKEN_FILE, tmp_path) == 2002
+    tk = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    docs = [json.loads(line)["text"] for line in C4_TEST_VALID.read_text().splitlines()[:40]]
+    for doc in docs + ["Hello, world!\n\n  123456 it's ünïcode: 5 € — “quoted”"]:
+        assert tk.encode(doc).ids == tiktoken_tokenizer.encode(doc, bos=False, eos=False)
+    assert (tk.token_to_id("<|begin_of_text|>"), tk.token_to_id("<|end_of_text|>")) == (
+        tiktoken_tokenizer.bos_id, tiktoken_tokenizer.eos_id)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+
+
+def test_scratch_folder_holds_what_upstream_reads(cu, tmp_path):
+    scratch = cu.setup.make_scratch(tmp_path / "scratch")
+    files = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*") if p.is_file())
+    assert files == ["benchmark_flavors.py", "tests/assets/c4_test/data.json",
+                     "tests/assets/tokenizer/tokenizer.json",
+                     "tests/assets/tokenizer/tokenizer_config.json", "upstream_cpu_shim.py"]
+
+    @dataclasses.dataclass
+    class Args:  # upstream's TransformerModelArgs fields that the flex flavors set
+        n_layers: int = 32
+        attn_type: str = "sdpa"
+        attn_mask_type: str = "causal"
+
+    flavors = {"8B": Args(), "8B_flex": Args(attn_type="flex", attn_mask_type="block_causal")}
+    exec(cu.setup._UPSTREAM_FLEX, {"llama3_args": flavors, "dataclasses": dataclasses})
+    assert sorted(flavors) == ["8B", "8B_flex"]  # upstream's own 8B_flex is kept
+    flavors["8B_4layers"] = Args(n_layers=4)
+    exec(cu.setup._UPSTREAM_FLEX, {"llama3_args": flavors, "dataclasses": dataclasses})
+    assert flavors["8B_4layers_flex"] == Args(4, "flex", "block_causal")
+
+
+@pytest.mark.slow
+def test_cpu_smoke_end_to_end(tmp_path):
+    """Both trainers for real on the CPU (upstream 0.2.2 through its shim): install, scratch
+    folder, alternating runs, table and JSON; about 20 s. Needs upstream's wheel
+    (UPSTREAM_TORCHTITAN_WHEEL, or pip download)."""
+    wheel = os.environ.get("UPSTREAM_TORCHTITAN_WHEEL")
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "compare_upstream.py"), "--device", "cpu",
+           "--work-dir", str(tmp_path), "--out", str(tmp_path / "table.md")]
+    proc = subprocess.run(cmd + (["--upstream-wheel", wheel] if wheel else []),
+                          capture_output=True, text=True, timeout=240)
+    if proc.returncode == 2 and "cannot install upstream" in proc.stderr:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = data["results"]
+    assert row["setting"] == "bf16, AC none" and row["ratio"] > 0
+    assert row["ours"]["steps"] == row["upstream"]["steps"] == [2, 3, 4]
+    assert data["upstream"] == "torchtitan 0.2.2" and data["device"] == "cpu"
+    assert "upstream_cpu_shim.py" in data["commands"]["upstream bf16"]
+    assert "torchtitan version: 0.2.2" in (tmp_path / "logs/upstream_bf16_0.log").read_text()
+    assert "| bf16, AC none |" in (tmp_path / "table.md").read_text()
