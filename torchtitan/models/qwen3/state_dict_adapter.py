@@ -34,6 +34,7 @@ from torchtitan.models.common.hf_adapter import (
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
+
 def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3ModelArgs:
     """``Qwen3ModelArgs`` from an HF Qwen3 / Qwen3-MoE ``config.json`` dict; ValueError naming
     the field when the model is not representable (biases, sliding window, RoPE scaling)."""
