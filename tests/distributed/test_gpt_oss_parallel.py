@@ -1,0 +1,158 @@
+"""gpt-oss (debugmodel) under FSDP2, TP2, EP2 x FSDP2, PP2 and CP2 on two gloo ranks, and
+EP2 x TP2 x ETP2 on four, equals one device; an EP2 x FSDP2 checkpoint resumes at FSDP4.
+
+Same method as test_deepseek_v3_parallel.py (tests/distributed/trainer_runs.py): one seed
+checkpoint, fixed global batches (seq 64, so the 32-token windows of layers 0 and 2 bite),
+per-step loss and grad norm compared. TP2 shards the heads with their biases and sinks; EP2
+puts 4 of the 8 experts (with their biases) on each rank; ETP2 also splits every expert's
+hidden units (the gate/up biases with them, the down bias added once after the sum); PP2 cuts
+the four blocks into two stages; CP2 runs the windows and sinks through the masked all-gather
+path. The biases start at zero and move with the first AdamW step, so later steps exercise
+them; :func:`tp_gradients` compares every gradient after one backward with random non-zero
+biases and sinks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launcher import launch
+from tests.distributed.trainer_runs import (
+    BASE_ARGS,
+    NORM_TOL,
+    STEPS,
+    TOL,
+    from_seed,
+    resume_args,
+    run_sequence,
+    seed_args,
+)
+
+pytestmark = pytest.mark.slow  # launches gloo ranks
+
+MODEL = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+
+
+def _dp(n: int) -> list[str]:
+    return ["--parallelism.data_parallel_shard_degree", str(n)]
+
+
+ONE_BATCH = ["--training.local_batch_size", "8"]  # dp 1: the whole global batch per step
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+TWO_RANKS = {
+    "fsdp2": _dp(2),
+    "tp2": [*_dp(1), "--parallelism.tensor_parallel_degree", "2", *ONE_BATCH],
+    "ep2_fsdp2": [*_dp(2), *EP2],
+    "pp2": [*_dp(1), "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B", *ONE_BATCH],
+    "cp2": [*_dp(1), "--parallelism.context_parallel_degree", "2", *ONE_BATCH],
+}
+FOUR_RANKS = {
+    "ep2_tp2_etp2": [*_dp(2), "--parallelism.tensor_parallel_degree", "2", *EP2,
+                     "--parallelism.expert_tensor_parallel_degree", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
+    saved = str(root / "ep2_saved")
+    save = [*BASE_ARGS, *MODEL, "--job.dump_folder", saved, "--checkpoint.enable",
+            "--checkpoint.initial_load_path", seed_dir, "--training.steps", "2",
+            "--checkpoint.interval", "2", *_dp(2), *EP2]
+    resumed = resume_args(saved, 2, *MODEL, *_dp(4), "--training.local_batch_size", "2")
+    out: dict[str, list[dict[str, list[float]]]] = {}
+    for world, first, layouts, last in (
+        (1, [[*seed_args(str(root / "seed")), *MODEL]], {"one": []}, {}),
+        (2, [], TWO_RANKS, {"saved": save}),
+        (4, [], FOUR_RANKS, {"resumed_fsdp4": resumed}),
+    ):
+        argvs = first + [
+            from_seed(seed_dir, str(root / name), *MODEL, *flags) for name, flags in layouts.items()
+        ] + list(last.values())
+        per_rank = launch(run_sequence, world, argvs, timeout_s=600)
+        for i, name in enumerate([*layouts, *last]):
+            out[name] = [rank[len(first) + i] for rank in per_rank]
+    return out
+
+
+def test_one_device_trains(runs):
+    losses = runs["one"][0]["loss"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("layout", [*TWO_RANKS, *FOUR_RANKS])
+def test_parallel_layouts_match_one_device(layout, runs):
+    reference = runs["one"][0]
+    for rank, run in enumerate(runs[layout]):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                run[key], reference[key], **(TOL if key == "loss" else NORM_TOL),
+                msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
+            )
+
+
+def test_ep2_fsdp2_checkpoint_resumes_at_fsdp4(runs):
+    uninterrupted = runs["ep2_fsdp2"][0]
+    torch.testing.assert_close(runs["saved"][0]["loss"], uninterrupted["loss"][:2], **TOL)
+    for rank, run in enumerate(runs["resumed_fsdp4"]):
+        assert run["first_step"] == [3]
+        torch.testing.assert_close(run["loss"], uninterrupted["loss"][2:], **TOL,
+                                   msg=lambda m, r=rank: f"resumed rank {r}: {m}")
+
+
+def tp_gradients() -> list[tuple[float, str]]:
+    """Worker: the debugmodel with random biases, sinks and routing bias on one device and
+    under TP2 with the same weights and batch; per parameter, max |grad difference| / max
+    |grad| (worst first)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from tests.distributed.harness import parallelized_model
+    from torchtitan.distributed.expert_parallel import moe_grad_hooks
+    from torchtitan.models import get_model_spec
+
+    spec = get_model_spec("gpt_oss")
+    args = spec.get_model_args("debugmodel")
+    args.max_seq_len, args.vocab_size, args.sliding_window_size = 32, 256, 8
+    torch.manual_seed(0)
+    ref = spec.model_cls(args)
+    ref.init_weights()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("bias", "sinks")) or ".b" in name:
+                p.normal_(0, 0.3)
+        for layer in ref.layers.values():
+            layer.moe.expert_bias.normal_(0, 0.01)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    loss_of(ref(tokens)).backward()
+    model, dims = parallelized_model(
+        spec, args, 2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
+        disable_loss_parallel=True,
+    )
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    loss_of(model(tokens)).backward()
+    for hook in moe_grad_hooks([model], dims):  # the router / expert gradients over tp
+        hook()
+    ref_grads = dict(ref.named_parameters())
+    worst = []
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        expected = ref_grads[name].grad
+        worst.append(((grad - expected).abs().max().item() / expected.abs().max().item(), name))
+    return sorted(worst, reverse=True)
+
+
+def test_tp2_gradients_equal_one_device():
+    for rank, worst in enumerate(launch(tp_gradients, 2, timeout_s=240)):
+        # 3 outer + 4 layers x (9 attention (4 weights, 4 biases, sinks) + 2 norms
+        # + 2 router + 6 experts)
+        assert len(worst) == 3 + 4 * 19 and worst[0][0] < 1e-5, (rank, worst[:3])
