@@ -132,6 +132,51 @@ def test_last_save_in_hf_skips_a_lossy_export(tmp_path, caplog):
     assert any("not writing" in m and "--allow-lossy" in m for m in caplog.messages)
 
 
+def _ours(caplog) -> list[str]:
+    """torchtitan's log lines (DCP's own logger records state-dict keys too)."""
+    return [r.getMessage() for r in caplog.records if r.name == "torchtitan"]
+
+
+def test_last_save_in_hf_allow_lossy_exports_with_one_warning(tmp_path, caplog):
+    model, _ = _qwen3_moe_checkpoint(tmp_path, bias=0.3)
+    cfg = Checkpoint(enable=True, last_save_in_hf=True, last_save_in_hf_allow_lossy=True)
+    CheckpointManager(None, [model], None, None, {}, cfg, str(tmp_path / "run"),
+                      Qwen3StateDictAdapter(model.model_args)).save(5, last_step=True)
+    step = tmp_path / "run" / "checkpoint" / "step-5"
+    assert fs.verify_checkpoint(str(step))[0] == "" and (step / "hf" / "model.safetensors").exists()
+    (line,) = [m for m in _ours(caplog) if "expert_bias" in m]
+    assert line.startswith("HF export: the load-balancing expert_bias of 1 MoE layer(s)") and \
+        line.endswith("(exported anyway, as asked)"), line
+
+
+def _start_warnings(tmp_path: Path, model, adapter, caplog, **flags) -> list[str]:
+    caplog.clear()
+    cfg = Checkpoint(enable=True, last_save_in_hf=True, **flags)
+    CheckpointManager(None, [model], None, None, {}, cfg, str(tmp_path), adapter).close()
+    return [m for m in _ours(caplog) if "last_save_in_hf" in m]
+
+
+def test_last_save_in_hf_says_at_start_that_a_trained_routing_bias_will_skip_the_export(
+    tmp_path, caplog
+):
+    model, _ = _qwen3_moe_checkpoint(tmp_path, bias=0.0)  # zero now; load_balance_coeff trains it
+    adapter = Qwen3StateDictAdapter(model.model_args)
+    (line,) = _start_warnings(tmp_path / "a", model, adapter, caplog)
+    assert line == (
+        "Checkpoint: checkpoint.last_save_in_hf will skip hf/ at the end: this model trains a "
+        "load-balancing routing bias (load_balance_coeff) that its HF format has no place for; "
+        "add --checkpoint.last_save_in_hf_allow_lossy to export it anyway (transformers then "
+        "routes some tokens to other experts)"
+    )
+    assert _start_warnings(tmp_path / "b", model, adapter, caplog, last_save_in_hf_allow_lossy=True) == []
+    for layer in model.layers.values():  # no load balancing: the bias stays zero
+        if getattr(layer, "moe", None) is not None:
+            layer.moe.args.load_balance_coeff = None
+    assert _start_warnings(tmp_path / "c", model, adapter, caplog) == []
+    llama = _tiny_llama()
+    assert _start_warnings(tmp_path / "d", llama, Llama3StateDictAdapter(llama.model_args), caplog) == []
+
+
 def test_export_finds_the_model_from_the_weight_names(tmp_path, capsys):
     _, qwen = _qwen3_moe_checkpoint(tmp_path, bias=0.0)
     script = _script("convert_dcp_to_hf")

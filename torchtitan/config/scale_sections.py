@@ -106,6 +106,9 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """Write the final save as HF safetensors."""
 
+    last_save_in_hf_allow_lossy: bool = False
+    """last_save_in_hf also when HF's format drops part of the model (a trained MoE routing bias), with one warning."""
+
     export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
     """Dtype of model-only exports."""
 

@@ -227,18 +227,40 @@ def write_hf_folder(
     return files
 
 
+def lossy_export_ahead(sd_adapter: Any | None, model_parts: Iterable[torch.nn.Module]) -> str:
+    """Why ``last_save_in_hf`` will skip ``hf/`` once these model parts are trained ("" when
+    it will not): MoE layers train a load-balancing routing bias (``load_balance_coeff``) that
+    the adapter's HF format has no place for (asked with a non-zero stand-in bias)."""
+    dropped_by_export = getattr(sd_adapter, "dropped_by_export", None)
+    trained = {
+        f"{name}.expert_bias": torch.ones(1)
+        for part in model_parts
+        for name, module in part.named_modules()
+        if getattr(module, "uses_load_balance_bias", False)
+    }
+    if dropped_by_export is None or not trained or not dropped_by_export(trained):
+        return ""
+    return (
+        "checkpoint.last_save_in_hf will skip hf/ at the end: this model trains a "
+        "load-balancing routing bias (load_balance_coeff) that its HF format has no place for; "
+        "add --checkpoint.last_save_in_hf_allow_lossy to export it anyway (transformers then "
+        "routes some tokens to other experts)"
+    )
+
+
 def export_hf(
     tmp: str,
     sd_adapter: Any,
     export_dtype: str,
     extra_non_model: Iterable[str] = (),
     tokenizer: Any | None = None,
+    allow_lossy: bool = False,
 ) -> None:
     """Write ``tmp/hf``: the model weights of DCP checkpoint ``tmp`` as an HF folder
     (:func:`write_hf_folder`; rank 0; reads the full weights into host memory). The data files
-    are verified against the checksums their ranks recorded first. A damaged write or a lossy
-    export skips ``hf/`` with one warning (the DCP checkpoint is still committed: it runs
-    before the commit, where raising would lose the save)."""
+    are verified against the checksums their ranks recorded first. A damaged write, or a lossy
+    export unless ``allow_lossy``, skips ``hf/`` with one warning (the DCP checkpoint is still
+    committed: it runs before the commit, where raising would lose the save)."""
     final = tmp[: -len(fs.TMP_SUFFIX)] if tmp.endswith(fs.TMP_SUFFIX) else tmp
     problem = _written_files_problem(tmp)
     if not problem:
@@ -247,11 +269,11 @@ def export_hf(
         )
         try:
             out = os.path.join(tmp, fs.HF_SUBFOLDER)
-            write_hf_folder(out, weights, sd_adapter, export_dtype, tokenizer)
+            write_hf_folder(out, weights, sd_adapter, export_dtype, tokenizer, allow_lossy)
             return
         except LossyExportError as err:
             problem = (
                 f"{err}; export it anyway with python scripts/convert_dcp_to_hf.py {final} "
-                "OUT_DIR --allow-lossy"
+                "OUT_DIR --allow-lossy (or train with --checkpoint.last_save_in_hf_allow_lossy)"
             )
     logger.warning(f"Checkpoint: not writing {os.path.join(final, fs.HF_SUBFOLDER)}: {problem}")

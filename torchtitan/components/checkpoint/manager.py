@@ -182,6 +182,11 @@ class CheckpointManager:
             extras.append(f"final save model-only in {cfg.export_dtype}")
         if cfg.last_save_in_hf:
             extras.append("final save also as HF safetensors")
+            ahead = not cfg.last_save_in_hf_allow_lossy and hf.lossy_export_ahead(
+                self.sd_adapter, self.model.model_parts
+            )
+            if ahead:
+                logger.warning(f"Checkpoint: {ahead}")
         logger.info(
             f"Checkpoint: saving to {self.folder}/step-N every {cfg.interval} steps, "
             f"async_mode={self.async_mode}, keep_latest_k={cfg.keep_latest_k or 'all'}"
@@ -296,6 +301,7 @@ class CheckpointManager:
                 export_dtype=cfg.export_dtype,
                 extra_non_model=list(self.states),
                 tokenizer=self.tokenizer,
+                allow_lossy=cfg.last_save_in_hf_allow_lossy,
             )
         self.saver.save_sync(curr_step, sd, info, export=export)
 
