@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -171,6 +172,41 @@ def _reason(log: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher (torchrun then stops its workers), then SIGKILL what is left:
+    torchrun starts each worker in a session of its own, and one left behind would hold the
+    GPU through the next runs."""
+    family = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *family]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def run_one(args, side: str, name: str, repeat: int):
     """Run one trainer; its summary, or the one-line reason it failed."""
     cmd, env, cwd = build_run(args, side, name, repeat)
@@ -178,10 +214,13 @@ def run_one(args, side: str, name: str, repeat: int):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            rc = subprocess.run(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=args.run_timeout).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=args.run_timeout)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+            _stop(proc)
+            if isinstance(e, KeyboardInterrupt):
+                raise
             rc = None
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")

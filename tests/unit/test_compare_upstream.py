@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -158,6 +160,28 @@ def test_scratch_folder_holds_what_upstream_reads(cu, tmp_path):
     flavors["8B_4layers"] = Args(n_layers=4)
     exec(cu.setup._UPSTREAM_FLEX, {"llama3_args": flavors, "dataclasses": dataclasses})
     assert flavors["8B_4layers_flex"] == Args(4, "flex", "block_causal")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.subprocess_ok  # two sleeping processes, ended at once
+def test_a_stopped_run_leaves_no_worker_behind(cu):
+    # like torchrun: the worker runs in a session of its own, out of the launcher's group
+    code = ("import subprocess, time; p = subprocess.Popen(['sleep', '60'], "
+            "start_new_session=True); print(p.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    assert _alive(worker)
+    cu._stop(proc)
+    deadline = time.monotonic() + 5
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker) and proc.returncode is not None
 
 
 @pytest.mark.slow
