@@ -52,7 +52,7 @@ def sequence_context(
         load_balance=run.parallel_dims.cp_load_balance,
     )
     if uses_attention_mask(run.model_args):
-        return cp.masked_context_parallel_context(cp_mesh, **shard)
+        return cp.masked_context_parallel_context(cp_mesh, model_parts=run.model_parts, **shard)
     return cp.context_parallel_context(
         cp_mesh, rotate_method=run.job_config.parallelism.context_parallel_rotate_method, **shard
     )

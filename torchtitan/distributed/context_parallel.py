@@ -16,7 +16,7 @@ Masked attention (document masking, a sliding window, FlexAttention) cannot be m
 block from a ring, so :func:`masked_context_parallel_context` shards the same buffers by the
 same positions itself and lets every rank attend with its queries to the keys/values of the
 whole sequence, all-gathered over ``cp`` (their gradients reduce-scattered back), under the
-mask rows of its own positions (``document_mask.sharded_sequence``).
+mask rows of its own positions (``Decoder.sequence_shard`` of every model part).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import functools
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.models.common.document_mask import SequenceShard, sharded_sequence
+from torchtitan.models.common.document_mask import SequenceShard
 
 ROTATE_METHODS = ("allgather", "alltoall")
 _SEQ_DIM = 2  # SDPA's [batch, heads, seq, head_dim]
@@ -186,10 +187,12 @@ def masked_context_parallel_context(
     seq_dims: Sequence[int],
     no_restore: set[torch.Tensor],
     load_balance: bool = True,
+    model_parts: Sequence[nn.Module] = (),
 ) -> Iterator[None]:
     """Context parallel for masked attention: shard ``buffers`` (in place) like
-    :func:`context_parallel_context` and build every attention mask inside for this rank's
-    positions against the whole sequence, whose keys/values attention all-gathers."""
+    :func:`context_parallel_context` and give every model part this rank's
+    :class:`SequenceShard` (``sequence_shard``), so the attention masks it builds cover this
+    rank's positions against the whole sequence, whose keys/values attention all-gathers."""
     seq_len = buffers[0].shape[seq_dims[0]]
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     order = sequence_order(seq_len, cp, load_balance).to(buffers[0].device)
@@ -204,10 +207,14 @@ def masked_context_parallel_context(
             buffer.copy_(part)
     group = cp_mesh.get_group()
     shard = SequenceShard(mine, order, _kv_gatherer(group.group_name, cp))
+    previous = [getattr(model, "sequence_shard", None) for model in model_parts]
+    for model in model_parts:
+        model.sequence_shard = shard
     try:
-        with sharded_sequence(shard):
-            yield
+        yield
     finally:
+        for model, before in zip(model_parts, previous):
+            model.sequence_shard = before
         with torch.no_grad():
             for buffer, original in restore:
                 buffer.resize_(original.shape)

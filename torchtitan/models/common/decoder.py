@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from torchtitan.models.common.document_mask import batch_attention_mask, validate_mask_settings
+from torchtitan.models.common.document_mask import (
+    SequenceShard,
+    batch_attention_mask,
+    validate_mask_settings,
+)
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import RoPEScalingArgs, YaRNScalingArgs, precompute_freqs_cis
@@ -260,6 +264,9 @@ class Decoder(nn.Module):
         if model_args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.sequence_shard: SequenceShard | None = None
+        """This rank's part of every sequence while context parallel splits it (masked
+        attention): set by the context-parallel step context, None otherwise."""
 
     def build_block(self, layer_id: int, args: Any) -> nn.Module:
         """Block ``layer_id`` (the family's attention and FFN in a :class:`TransformerBlock`)."""
@@ -341,7 +348,8 @@ class Decoder(nn.Module):
             window = self.model_args.attention_window(int(key))
             if window not in masks:
                 masks[window] = batch_attention_mask(
-                    self.model_args, tokens, document_ids, h.device, sliding_window=window
+                    self.model_args, tokens, document_ids, h.device, sliding_window=window,
+                    shard=self.sequence_shard,
                 )
             h = layer(h, self.freqs_cis, attention_mask=masks[window])
         h = self.norm(h) if self.norm is not None else h

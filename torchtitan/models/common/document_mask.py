@@ -11,19 +11,18 @@ Kernels: FlexAttention (``use_flex_attn``, compiled) on GPUs; FlexAttention has 
 CPU (torch 2.13), so on CPU the model uses SDPA with the equivalent boolean mask and says so
 once. Both kernels see the same mask definition (:func:`mask_mod` / :func:`boolean_mask`).
 
-Split sequences: a context-parallel layer that gives each rank part of every sequence enters
-:func:`sharded_sequence` with a :class:`SequenceShard` (which global positions this rank's
-queries are, and how to gather the keys/values of the whole sequence). Inside it the mask
-covers this rank's queries against every key, and :func:`attend` gathers keys/values first; the
-model code is the same either way.
+Split sequences: a context-parallel layer that gives each rank part of every sequence hands the
+model a :class:`SequenceShard` (which global positions this rank's queries are, and how to
+gather the keys/values of the whole sequence: ``Decoder.sequence_shard``, set for the
+duration of the step). With it the mask covers this rank's queries against every key, and
+:func:`attend` gathers keys/values first; the model code is the same either way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +43,6 @@ __all__ = [
     "flex_supported",
     "mask_mod",
     "repeat_kv",
-    "sharded_sequence",
     "uses_attention_mask",
     "validate_mask_settings",
 ]
@@ -77,20 +75,6 @@ class ShardedMask:
 
     mask: Any
     gather_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-_active_shard: SequenceShard | None = None
-
-
-@contextlib.contextmanager
-def sharded_sequence(shard: SequenceShard) -> Iterator[None]:
-    """Masks built inside cover ``shard``'s queries against the whole sequence."""
-    global _active_shard
-    previous, _active_shard = _active_shard, shard
-    try:
-        yield
-    finally:
-        _active_shard = previous
 
 
 def document_ids(tokens: torch.Tensor, bos_id: int, eos_id: int) -> torch.Tensor:
@@ -333,17 +317,17 @@ _ARGS_WINDOW: Any = object()
 
 def batch_attention_mask(
     args: Any, tokens: torch.Tensor, document_ids: torch.Tensor | None, device: torch.device,
-    sliding_window: int | None = _ARGS_WINDOW,
+    sliding_window: int | None = _ARGS_WINDOW, shard: SequenceShard | None = None,
 ) -> Any:
     """The mask a model's forward builds once per batch for its layers, from its args
     (``attn_mask_type``, ``sliding_window_size`` unless ``sliding_window`` is given, for layers
     with their own window, ``use_flex_attn``): None for plain causal attention.
     ``document_ids`` give the batch shape to pipeline stages whose input is hidden
-    states ``[B, S, D]`` rather than tokens. Inside :func:`sharded_sequence` ``tokens`` hold
-    this rank's part of each sequence and ``document_ids`` the whole sequence's."""
+    states ``[B, S, D]`` rather than tokens. With a context-parallel ``shard`` ``tokens`` hold
+    this rank's part of each sequence and ``document_ids`` the whole sequence's, and the mask
+    covers this rank's queries against every key."""
     if sliding_window is _ARGS_WINDOW:
         sliding_window = args.sliding_window_size
-    shard = _active_shard
     if not uses_attention_mask(args) and shard is None:
         return None
     shape = (document_ids if document_ids is not None else tokens).shape
