@@ -39,6 +39,10 @@ def gpt_oss_model_spec() -> ModelSpec:
         model_cls=GptOssModel,
         model_args=gpt_oss_args,
         parallelize_fn=lazy("torchtitan.models.gpt_oss.parallelize:parallelize_gpt_oss"),
+        state_dict_adapter=lazy(
+            "torchtitan.models.gpt_oss.state_dict_adapter:GptOssStateDictAdapter"
+        ),
+        hf_model_types=("gpt_oss",),
     )
 
 
