@@ -135,3 +135,14 @@ def test_block_causal_composes_with_windows_and_sinks():
         across = causal(tokens)
     torch.testing.assert_close(packed[:, 10:], alone, rtol=0, atol=2e-5)
     assert (across[:, 10:] - alone).abs().max() > 1e-2  # without the mask, doc 1 leaks in
+
+
+def test_sinks_take_context_parallels_masked_path_even_without_windows():
+    """Ring attention merges plain causal SDPA blocks and cannot add a sink: a model with sinks
+    always takes the masked all-gather path (tests/distributed/test_gpt_oss_parallel.py, CP2)."""
+    from torchtitan.models.common.document_mask import uses_attention_mask
+
+    args = GptOssModelArgs(sliding_window_size=None, use_flex_attn=False)
+    assert uses_attention_mask(args)
+    args.attention_sinks = False
+    assert not uses_attention_mask(args)
