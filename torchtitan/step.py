@@ -5,11 +5,16 @@ sequence under context parallel) is multiplied by ``n_loss_ranks / global_valid_
 where the loss ranks are ``dp x cp``. Gradient reduction averages over those ranks, so the
 result is the gradient of (sum of token losses) / (global valid tokens): the same for any
 data-parallel or context-parallel layout and any gradient-accumulation split.
+
+No host copies: the token count, the loss scale, the loss, the grad norm and the MoE load
+figures stay 0-dim tensors on the device (the token count is all-reduced as a tensor), so the
+host never waits for the device within a step; the Trainer copies them at log steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -73,7 +78,7 @@ def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def forward_backward(
-    run: RunParts, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
+    run: RunParts, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float
 ) -> torch.Tensor:
     """Forward and backward of one microbatch; returns its scaled loss (detached; 0 on
     pipeline ranks without the last stage)."""
@@ -100,24 +105,47 @@ def _valid_tokens(labels: torch.Tensor) -> int:
         return int((labels != IGNORE_INDEX).sum())
 
 
-def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[float, float]:
+def _loss_scale(
+    run: RunParts, microbatches: Sequence[Batch]
+) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+    """``(global valid tokens, n_loss_ranks / global valid tokens)`` of one optimizer step.
+
+    0-dim device tensors, computed without a host copy: the count in float64 (summed over the
+    data-parallel ranks), the scale in float32, the loss's dtype, so that ``loss * scale``
+    rounds exactly as a Python-float scale did. Python floats when the comm mode computes no
+    values (fake tensors: the count comes from the real labels).
+    """
+    loss_mesh = run.loss_mesh
+    n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
+    dp_mesh = run.parallel_dims.get_mesh("dp")
+    # Context-parallel ranks share their batch: count its tokens once per data-parallel rank.
+    if not run.comm_mode.computes_values:
+        tokens = dist_utils.dist_reduce(
+            sum(_valid_tokens(labels) for _, labels in microbatches), "sum", dp_mesh
+        )
+        return tokens, n_loss_ranks / max(tokens, 1.0)
+    local = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches)
+    tokens = dist_utils.all_reduce_scalar(local, "sum", dp_mesh)
+    return tokens, (n_loss_ranks / tokens.clamp_min(1.0)).float()
+
+
+def compute_gradients(
+    run: RunParts, microbatches: Sequence[Batch]
+) -> tuple[torch.Tensor | float, torch.Tensor | float]:
     """Forward+backward over one optimizer step's microbatches, then clip the gradients.
 
     Returns ``(global mean token loss, total grad norm before clipping)``, the same on every
-    rank; NaN for both when the comm mode computes no values (fake tensors).
+    rank, as 0-dim device tensors (float64 loss, float32 norm: no host copy); NaN floats for
+    both when the comm mode computes no values (fake tensors).
     """
-    # Context-parallel ranks share their batch: count its tokens once per data-parallel rank.
-    local_tokens = sum(_valid_tokens(labels) for _, labels in microbatches)
     loss_mesh = run.loss_mesh
-    global_tokens = dist_utils.dist_reduce(local_tokens, "sum", run.parallel_dims.get_mesh("dp"))
     n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
-    loss_scale = n_loss_ranks / max(global_tokens, 1.0)
-    run.step_tokens = float(global_tokens)
+    run.step_tokens, scale = _loss_scale(run, microbatches)
     with run.comm_mode.step():
         local_loss = torch.zeros((), device=run.device)
         for i, (inputs, labels) in enumerate(microbatches):
             run.optimizers.before_backward(final=i == len(microbatches) - 1)
-            local_loss += forward_backward(run, inputs, labels, loss_scale)
+            local_loss += forward_backward(run, inputs, labels, scale)
         for hook in run.after_backward:
             hook()
         if run.optimizers.steps_in_backward:  # stepped already: the norms its hooks took
@@ -130,19 +158,22 @@ def compute_gradients(run: RunParts, microbatches: Sequence[Batch]) -> tuple[flo
                 pp_mesh=run.parallel_dims.get_mesh("pp"),
                 exclude_from_norm=run.pipeline.norm_duplicates() if run.pipeline is not None else (),
             )
-    loss = dist_utils.dist_reduce(local_loss / n_loss_ranks, "sum", loss_mesh)
+    if not run.comm_mode.computes_values:
+        return math.nan, math.nan
+    loss = dist_utils.all_reduce_scalar(local_loss / n_loss_ranks, "sum", loss_mesh)
     if run.pipeline is not None:  # only last-stage ranks hold it; the others add 0
-        loss = dist_utils.dist_reduce(loss, "sum", run.pipeline.pp_mesh)
-    return loss, dist_utils.scalar_value(grad_norm)
+        loss = dist_utils.all_reduce_scalar(loss, "sum", run.pipeline.pp_mesh)
+    return loss, grad_norm
 
 
-def optimizer_step(run: RunParts) -> dict[str, float]:
+def optimizer_step(run: RunParts) -> dict[str, torch.Tensor]:
     """Update the MoE load-balancing biases from this step's routing (token counts summed over
     the data- and context-parallel ranks, and the TP ranks when they split the MoE tokens),
     apply the optimizers, run the model converters' post-optimizer hooks (float8 precomputes
     its FSDP all-gather scales) and advance the LR schedules.
 
-    Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers).
+    Returns the step's MoE load figures (``moe/max_load`` ...; empty without MoE layers) as
+    0-dim device tensors (no host copy).
     """
     # the ranks that routed different tokens: data and context parallel, and TP when the TP
     # ranks split the MoE tokens
@@ -161,7 +192,4 @@ def optimizer_step(run: RunParts) -> dict[str, float]:
         run.optimizers.step()
         run.converters.post_optimizer_hook(run.model_parts)  # e.g. float8 FSDP scales
     run.lr_schedulers.step()
-    if not figures:
-        return {}
-    values = torch.stack(list(figures.values()))  # one device-to-host copy, not one per layer
-    return dict(zip(figures, map(dist_utils.scalar_value, values.unbind())))
+    return figures

@@ -9,7 +9,6 @@ import torchtitan.tools.interrupts  # noqa: F401
 
 import copy
 import gc
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.build import build_run
 from torchtitan.components.fault_tolerance.layout import split_group_outputs
+from torchtitan.components.finite_check import FiniteCheck, StepFigures, non_finite_message
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
@@ -82,7 +82,12 @@ class Trainer(Stateful):
 
         self.step = 0
         self.ntokens_seen = 0
-        self.moe_figures: dict[str, float] = {}  # MoE load of the last step (empty if dense)
+        # MoE load of the last step (0-dim device tensors; empty if dense)
+        self.moe_figures: dict[str, torch.Tensor] = {}
+        self.finite = FiniteCheck()  # the unchecked steps' loss and grad norm, on the device
+        # host -> GPU batches through pinned memory, without waiting for the device's queue
+        self._pinned_batches = run.device.type == "cuda" and self.comm_mode.computes_values
+        self._flag_device = dist_utils.host_collective_device(run.device)
         self.rng_state = RNGState(self.rank, repr(run.parallel_dims), cuda=device_type == "cuda")
         self.metrics = MetricsProcessor(cfg, rank=self.rank, compute_dtype=run.compute_dtype)
         self.metrics.num_flops_per_token = run.flops_per_token
@@ -156,7 +161,8 @@ class Trainer(Stateful):
         if not ft.semi_sync:
             self.run.after_backward.append(
                 ft.sync_gradients_hook(
-                    self.model_parts, self.run.moe_layers, lambda: self.run.step_tokens
+                    self.model_parts, self.run.moe_layers,
+                    lambda: dist_utils.scalar_value(self.run.step_tokens),
                 )
             )
         return ft
@@ -195,14 +201,25 @@ class Trainer(Stateful):
         self.metrics.data_loading_times.append(time.perf_counter() - start)
         self.metrics.ntokens_since_last_log += labels.numel()
         self.ntokens_seen += labels.numel()
-        return inputs.to(self.device), labels.to(self.device)
+        return self._to_device(inputs), self._to_device(labels)
 
-    def train_step(self, data_iterator: Iterator) -> tuple[float, float] | None:
-        """One optimizer step over the global batch; returns (global mean loss, grad norm).
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # A copy from pageable host memory waits for the GPU's queue; a pinned one does not.
+        if self._pinned_batches and type(t) is torch.Tensor and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
-        A non-finite loss or grad norm raises TrainingError before the optimizer runs, so the
-        weights stay those of the previous step. Under synchronous fault tolerance the loss is
-        averaged over the replica groups, and None means the groups did not commit the step
+    def train_step(
+        self, data_iterator: Iterator
+    ) -> tuple[torch.Tensor | float, torch.Tensor | float] | None:
+        """One optimizer step over the global batch; returns (global mean loss, grad norm) as
+        0-dim device tensors: no host copy (the loop copies them at log steps).
+
+        The finite check runs before the optimizer on the steps that need host values
+        (:meth:`_finite_check_due`); a non-finite loss or grad norm of this step then raises
+        TrainingError with the weights still those of the previous step, and one of an earlier
+        unchecked step names that step. Under synchronous fault tolerance the loss is averaged
+        over the replica groups (a float), and None means the groups did not commit the step
         (one failed during it): the optimizer did not step.
         """
         self.optimizers.zero_grad()
@@ -211,18 +228,43 @@ class Trainer(Stateful):
             loss, grad_norm = compute_gradients(self.run, microbatches)
         synchronous_ft = self.ft is not None and not self.ft.semi_sync
         if synchronous_ft:
-            loss = self.ft.average_loss(loss)
-        if self.comm_mode.computes_values and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise TrainingError(
-                f"loss became {loss} (grad norm {grad_norm}) at step {self.step}; the "
-                "optimizer step was skipped. Lower optimizer.lr or check the data; "
-                + self.checkpointer.resume_hint(self.step - 1)
-            )
+            loss = self.ft.average_loss(dist_utils.scalar_value(loss))
+        if self.comm_mode.computes_values:
+            self.finite.add(self.step, loss, grad_norm)
+            if self._finite_check_due(self.step):
+                self._check_finite(before_optimizer=True)
         if synchronous_ft and not self.ft.should_commit():
             return None
         self.checkpointer.maybe_wait_for_staging()
-        self.moe_figures = self._step_optimizer()
+        self.moe_figures = self._step_optimizer() or {}
         return loss, grad_norm
+
+    def _finite_check_due(self, step: int) -> bool:
+        """Whether step ``step`` checks (copies its loss and grad norm to the host): it logs,
+        saves a checkpoint or validates by schedule, is the last step, or runs under fault
+        tolerance (whose protocol waits for every step anyway; and a non-finite group must stop
+        before its weights reach the others)."""
+        last = step == self.job_config.training.steps
+        return (
+            self.ft is not None
+            or last
+            or self.metrics.should_log(step)
+            or self.checkpointer.is_due(step, last_step=last)
+            or (self.validator is not None and self.validator.should_validate(step))
+        )
+
+    def _check_finite(self, before_optimizer: bool = False) -> StepFigures | None:
+        """The finite check: copy the unchecked steps' figures to the host (one transfer); a
+        non-finite one raises TrainingError naming the first such step and the checkpoint to
+        resume from. Returns the newest checked step's figures."""
+        bad = self.finite.check()
+        if bad is not None:
+            raise TrainingError(
+                non_finite_message(bad, self.step, optimizer_skipped=before_optimizer)
+                + " Lower optimizer.lr or check the data; "
+                + self.checkpointer.resume_hint(bad.step - 1)
+            )
+        return self.finite.last
 
     # --- the loop ------------------------------------------------------------------------
     def train(self) -> None:
@@ -280,21 +322,18 @@ class Trainer(Stateful):
                         "part); it is redone with the next batch"
                     )
                     continue
-                loss, grad_norm = result
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
-                    tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
-                    extra = {"tokens": tokens, **self.moe_figures}
-                    if self.ft is not None:
-                        extra.update(self.ft.figures(self.model_parts))
-                    self.metrics.log(self.step, loss, grad_norm, lr, extra=extra)
+                    self._log_step(lr)
                 if self.validator is not None and self.validator.should_validate(self.step):
+                    self._check_finite()
                     self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 stop = self._preemption_agreed()
+                last = self.step == cfg.training.steps
+                if stop or self.checkpointer.is_due(self.step, last_step=last, force=stop):
+                    self._check_finite()  # never save weights updated by a non-finite step
                 if self.ft is None or self.ft.writes_checkpoints():
-                    self.checkpointer.save(
-                        self.step, last_step=(self.step == cfg.training.steps), force=stop
-                    )
+                    self.checkpointer.save(self.step, last_step=last, force=stop)
                 if self.step == 1:
                     dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, self.world_mesh)
                 if profiler is not None:
@@ -308,7 +347,21 @@ class Trainer(Stateful):
                         f"({saved}{self.preemption.waited()})"
                     )
                     return
+        self._check_finite()
         logger.info("Training completed")
+
+    def _log_step(self, lr: float) -> None:
+        """The log line and sinks of this step: its figures copied to the host (the finite
+        check of the step, already run by ``train_step``, gave the loss and grad norm)."""
+        figures = self.finite.last
+        if figures is None or figures.step != self.step or self.finite.pending:
+            figures = self._check_finite()
+        tokens = self.ntokens_seen * self.parallel_dims.dp_degree  # global, so far
+        moe = dict(zip(self.moe_figures, dist_utils.scalar_values(list(self.moe_figures.values()))))
+        extra = {"tokens": tokens, **moe}
+        if self.ft is not None:
+            extra.update(self.ft.figures(self.model_parts))
+        self.metrics.log(self.step, figures.loss, figures.grad_norm, lr, extra=extra)
 
     def _begin_ft_step(self) -> None:
         """Synchronous fault tolerance: this step's quorum (a group that is behind loads a
@@ -328,7 +381,7 @@ class Trainer(Stateful):
 
     def _preemption_agreed(self) -> bool:
         """True on every rank once any rank received SIGTERM or Ctrl-C."""
-        return self.preemption.agreed(self.device)
+        return self.preemption.agreed(self._flag_device)  # a host collective: no device wait
 
     def _pre_step_state(self) -> dict[str, Any] | None:
         """What a save after an aborted step records (one process with checkpointing only)."""
@@ -346,6 +399,7 @@ class Trainer(Stateful):
         elif before is None or done == 0 or self.checkpointer.has_step(done):
             what = "nothing new to save" if before is not None else "checkpointing is off"
         else:
+            self._check_finite()
             self.checkpointer.save(done, force=True, overrides=before)
             what = f"saved step-{done}, the last completed step"
         logger.warning(

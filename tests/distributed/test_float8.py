@@ -88,8 +88,8 @@ def run(argv: list[str]) -> dict:
         while trainer.step < cfg.training.steps:
             trainer.step += 1
             loss, grad_norm = trainer.train_step(iterator)
-            record["loss"].append(loss)
-            record["grad_norm"].append(grad_norm)
+            record["loss"].append(float(loss))
+            record["grad_norm"].append(float(grad_norm))
             trainer.checkpointer.save(trainer.step, last_step=trainer.step == cfg.training.steps)
         record["final"] = _full_state(trainer)
         record.update(_float8_facts(trainer))

@@ -124,8 +124,8 @@ def run_trainer(argv: list[str]) -> dict[str, list[float]]:
         while trainer.step < cfg.training.steps:
             trainer.step += 1
             loss, grad_norm = trainer.train_step(iterator)
-            record["loss"].append(loss)
-            record["grad_norm"].append(grad_norm)
+            record["loss"].append(float(loss))
+            record["grad_norm"].append(float(grad_norm))
             trainer.checkpointer.save(trainer.step, last_step=trainer.step == cfg.training.steps)
         record["accumulation"] = [trainer.gradient_accumulation_steps]
         if trainer.run.moe_layers:  # this rank's MoE layers (a pipeline stage holds some)

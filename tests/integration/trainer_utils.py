@@ -27,7 +27,8 @@ class RecordingTrainer(Trainer):
 
     def train_step(self, data_iterator):
         result = super().train_step(data_iterator)
-        self.history.append(result)
+        # host copies of the step's device scalars
+        self.history.append(None if result is None else (float(result[0]), float(result[1])))
         return result
 
 

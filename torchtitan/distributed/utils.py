@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,23 +135,34 @@ def set_determinism(
     return rank_seed
 
 
-def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
-    """Reduce a scalar across ``mesh`` (sum / mean / max); identity without a mesh."""
+def all_reduce_scalar(
+    value: torch.Tensor | float, op: str, mesh: DeviceMesh | None
+) -> torch.Tensor | float:
+    """``value`` reduced across ``mesh`` (sum / mean / max) as a 0-dim float64 tensor, without
+    a host copy: on the mesh's device (``value``'s own without a mesh). NaN (a float) for a fake
+    tensor. The result never aliases ``value``."""
     if _is_fake(value):  # shapes only (COMM_MODE=fake_backend, memory estimation)
         return math.nan
     if mesh is None:
-        return float(torch.as_tensor(value, dtype=torch.float64))
+        t = torch.as_tensor(value, dtype=torch.float64).detach()
+        return t.clone() if isinstance(value, torch.Tensor) and value.dtype == torch.float64 else t
     value = _per_simulated_rank(value)
-    t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
     if isinstance(value, DTensor):
         t = value.full_tensor().double()
-    device = "cuda" if mesh.device_type == "cuda" else "cpu"
-    t = t.to(device)
+    else:
+        t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    t = t.to("cuda" if mesh.device_type == "cuda" else "cpu")
     reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     dist.all_reduce(t, op=reduce_op, group=mesh.get_group())
     if op == "mean":
         t /= mesh.size()
-    return float(t)
+    return t
+
+
+def dist_reduce(value: torch.Tensor | float, op: str, mesh: DeviceMesh | None) -> float:
+    """Reduce a scalar across ``mesh`` (sum / mean / max); identity without a mesh. A Python
+    float: a host copy (:func:`all_reduce_scalar` keeps it on the device)."""
+    return scalar_value(all_reduce_scalar(value, op, mesh))
 
 
 def scalar_value(value: torch.Tensor | float) -> float:
@@ -161,6 +172,28 @@ def scalar_value(value: torch.Tensor | float) -> float:
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return float(value)
+
+
+def scalar_values(values: Sequence[torch.Tensor | float]) -> list[float]:
+    """:func:`scalar_value` of each; plain tensors on one device are copied to the host together
+    (one transfer, exact: float64 holds every float32 and bfloat16 value)."""
+    if len(values) > 1 and all(type(v) is torch.Tensor for v in values):
+        if len({v.device for v in values}) == 1:
+            return torch.stack([v.detach().double() for v in values]).tolist()
+    return [scalar_value(v) for v in values]
+
+
+def host_collective_device(device: torch.device) -> torch.device:
+    """Where a small collective of the default process group (e.g. agreeing on a flag) runs
+    without waiting for ``device``'s queue: the CPU when the group has a CPU backend (gloo next
+    to nccl on CUDA runs), else ``device``."""
+    if device.type == "cpu" or not dist.is_initialized():
+        return device
+    try:
+        config = str(dist.get_backend_config())
+    except (RuntimeError, ValueError, AttributeError):
+        return device
+    return torch.device("cpu") if "cpu:" in config else device
 
 
 def _is_fake(value: object) -> bool:

@@ -209,11 +209,16 @@ class CheckpointManager:
             if force:
                 logger.warning("Checkpoint: checkpoint.load_only is set, so no checkpoint is written")
             return False
-        if force or last_step:
-            return True
-        if step == 1 and cfg.enable_first_step_checkpoint:
-            return True
-        return step % cfg.interval == 0
+        return self.is_due(step, last_step, force)
+
+    def is_due(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        """Whether ``save(step, last_step, force)`` would write (before the weight guard)."""
+        cfg = self.config
+        if not self.enable or cfg.load_only:
+            return False
+        return force or last_step or (step == 1 and cfg.enable_first_step_checkpoint) or (
+            step % cfg.interval == 0
+        )
 
     def _model_state(self, dtype: torch.dtype | None = None) -> dict[str, Any]:
         sd = self.model.state_dict()
