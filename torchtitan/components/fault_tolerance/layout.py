@@ -71,7 +71,7 @@ _PROBE_PATH = "/torchft.LighthouseService/Heartbeat"
 _GRPC_UNIMPLEMENTED = "12"
 
 
-def probe_lighthouse(address: str, timeout_s: float = 3.0) -> tuple[str, str]:
+def probe_lighthouse(address: str, timeout_s: float = 10.0) -> tuple[str, str]:
     """Ask ``address`` a torchft lighthouse question. ``("", "")`` when a lighthouse answers;
     else ``(kind, detail)``: kind ``"unreachable"`` (no connection, e.g. "Connection refused")
     or ``"not a lighthouse"`` (something else answers there, or nothing within ``timeout_s``)."""
@@ -105,9 +105,11 @@ def probe_lighthouse(address: str, timeout_s: float = 3.0) -> tuple[str, str]:
         conn.close()
 
 
-def check_lighthouse(ft: FTConfig, timeout_s: float = 3.0) -> None:
+def check_lighthouse(ft: FTConfig, timeout_s: float = 10.0) -> None:
     """Pre-flight: torchft is installed and a torchft lighthouse answers at the address (one
-    line, FaultToleranceError, within about ``2 * timeout_s``). No-op without fault tolerance."""
+    line, FaultToleranceError, within about ``2 * timeout_s``). No-op without fault tolerance.
+    The wait is generous: a busy machine (a group restarting beside live ones) can keep a
+    real lighthouse's answer for seconds, and a refusal there would stop the rejoin."""
     if not ft.enable:
         return
     address = lighthouse_address(ft)
