@@ -77,9 +77,10 @@ class RunParts:
     converters: ModelConverters = field(default_factory=ModelConverters)
     """``model.converters`` (float8, mx): applied before parallelizing; hooked after each
     optimizer step."""
-    step_tokens: float = 0.0
+    step_tokens: torch.Tensor | float = 0.0
     """The current step's valid labels over this job's data-parallel ranks (what the loss is
-    normalised by); set by ``compute_gradients`` before the ``after_backward`` hooks."""
+    normalised by; a 0-dim device tensor); set by ``compute_gradients`` before the
+    ``after_backward`` hooks."""
 
     @property
     def loss_mesh(self) -> DeviceMesh | None:

@@ -116,21 +116,27 @@ def test_no_host_copies_outside_log_steps_and_same_logged_numbers(tmp_path, monk
             assert every4[step][key] == every1[step][key], (step, key)  # exact
 
 
-def test_nan_between_log_steps_names_its_step_and_is_never_saved(tmp_path, monkeypatch, one_thread):
-    """log_freq 4, checkpoints every 2 steps: a NaN at step 3 (no log, no save) is found by the
-    check of step 4 (it logs and saves), named as step 3, and step-4 is never written."""
+@pytest.mark.parametrize("bad, found, checkpoint", [
+    (3, 4, ["--checkpoint.enable", "--checkpoint.interval", "2"]),  # step 4 logs and saves
+    (5, 6, []),  # the last step checks too
+])
+def test_nan_between_log_steps_names_its_step_and_is_never_saved(
+    tmp_path, monkeypatch, one_thread, bad, found, checkpoint
+):
+    """log_freq 4: a NaN at a step that neither logs nor saves is found by the next checked
+    step, named as its own step, and nothing after the step before it is saved."""
     import torchtitan.step as step_module
 
     cfg = ConfigManager().parse_args([
         *TINY, "--job.dump_folder", str(tmp_path), *FLAGS, "--metrics.log_freq", "4",
-        "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only",
+        "--checkpoint.no_last_save_model_only", *checkpoint,
     ])
     trainer = Trainer(cfg)
     original = step_module.forward_backward
 
     def poisoned(run, inputs, labels, loss_scale):
         loss = original(run, inputs, labels, loss_scale)
-        if trainer.step == 3:
+        if trainer.step == bad:
             for p in run.model_parts[0].parameters():
                 p.grad.fill_(float("nan"))
             return loss * float("nan")
@@ -143,10 +149,13 @@ def test_nan_between_log_steps_names_its_step_and_is_never_saved(tmp_path, monke
     finally:
         trainer.close()
     line = str(err.value)
-    assert "\n" not in line
-    assert line.startswith("loss became nan (grad norm nan) at step 3; found at step 4"), line
+    assert "\n" not in line and trainer.step == found
+    assert line.startswith(f"loss became nan (grad norm nan) at step {bad}; found at step {found}")
+    assert f"nothing after step {bad - 1} was saved" in line
     folder = tmp_path / "checkpoint"
-    assert f"the newest safe checkpoint is {folder}/step-2: resume from it with " \
-        "--checkpoint.load_step 2" in line
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == ["step-2"]
-    assert trainer.step == 4
+    if checkpoint:
+        assert f"the newest safe checkpoint is {folder}/step-2: resume from it with " \
+            "--checkpoint.load_step 2" in line
+        assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == ["step-2"]
+    else:
+        assert "checkpointing is off" in line and not folder.exists()
