@@ -6,11 +6,13 @@ long as a test needs; the tests then kill the runner or its lighthouse and look 
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,18 +183,22 @@ def test_a_taken_lighthouse_port_is_one_line_and_starts_no_group(tmp_path, runne
 
 
 def test_an_external_address_that_is_not_a_lighthouse_starts_no_group(tmp_path, runner_env):
-    with socket.socket() as silent:  # accepts, never answers
-        silent.bind(("localhost", 0))
-        silent.listen()
-        address = f"http://localhost:{silent.getsockname()[1]}"
+    server = http.server.HTTPServer(("localhost", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # a web server where the lighthouse should be
+        address = f"http://localhost:{server.server_address[1]}"
         runner = Runner(tmp_path, {**runner_env, "TORCHFT_LIGHTHOUSE": address}, _free_port())
         try:
             code = runner.proc.wait(timeout=60)
         finally:
             runner.close()
+    finally:
+        server.shutdown()
+        server.server_close()
     assert code == 2, runner.log()
     assert runner.err.read_text().splitlines() == [
-        f"error: {address} is not a torchft lighthouse (no answer within 3s); point "
+        f"error: {address} is not a torchft lighthouse (it answered HTTP 501 to "
+        "/torchft.LighthouseService/Heartbeat); point "
         "--fault_tolerance.lighthouse / TORCHFT_LIGHTHOUSE at one, started with "
         "`torchft_lighthouse --min_replicas 1`"
     ]

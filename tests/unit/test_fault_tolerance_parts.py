@@ -176,16 +176,29 @@ def _impostor(kind: str):
             yield f"http://localhost:{silent.getsockname()[1]}"
 
 
-@pytest.mark.parametrize(("kind", "detail"), [
-    ("http", "it answered HTTP 501 to /torchft.LighthouseService/Heartbeat"),
-    ("silent", "no answer within 0.5s"),
+@pytest.mark.parametrize(("kind", "verdict"), [
+    ("http", ("not a lighthouse", "it answered HTTP 501 to /torchft.LighthouseService/Heartbeat")),
+    ("silent", ("silent", "no answer within 0.5s")),
 ])
-def test_preflight_refuses_a_port_that_is_not_a_lighthouse(kind, detail):
+def test_preflight_refuses_a_port_that_is_not_a_lighthouse(kind, verdict):
     """Accepting a connection is not enough: the job would wait the whole quorum timeout."""
     with _impostor(kind) as address:
         start = time.monotonic()
-        assert probe_lighthouse(address, timeout_s=0.5) == ("not a lighthouse", detail)
+        assert probe_lighthouse(address, timeout_s=0.5) == verdict
         assert time.monotonic() - start < 3
+
+
+def test_a_lighthouse_that_does_not_answer_yet_is_a_warning_not_a_refusal(monkeypatch, caplog):
+    """A held or busy lighthouse (a connection, no answer) must not stop a group's rejoin."""
+    pytest.importorskip("torchft")
+    with _impostor("silent") as address:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+        with caplog.at_level("WARNING", logger="torchtitan"):
+            check_lighthouse(cfg_of(*FT).fault_tolerance, timeout_s=0.5)
+    assert caplog.messages == [
+        f"the torchft lighthouse at {address} accepted a connection but did not answer (no "
+        "answer within 0.5s); going on (fault_tolerance.quorum_timeout_seconds bounds the wait)"
+    ]
 
 
 def test_preflight_names_an_address_that_is_not_a_lighthouse(monkeypatch):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, fs
+from torchtitan.components.finite_check import FiniteCheck
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.tools.lifecycle import Preemption
 from torchtitan.train import Trainer
@@ -55,6 +56,7 @@ def _stop_group_mid_step(dump: Path, replica_id: int, writes: bool) -> None:
     trainer.step = 3
     trainer.ft = _FaultTolerance(writes)
     trainer.preemption = Preemption()
+    trainer.finite = FiniteCheck()  # no unchecked step: the save checks nothing new
     trainer.checkpointer = _manager(dump, writer_id=f"replica_{replica_id}")
     try:
         trainer._stop_mid_step({"train_state": {"step": torch.tensor(2)}})

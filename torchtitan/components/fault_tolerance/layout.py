@@ -73,8 +73,10 @@ _GRPC_UNIMPLEMENTED = "12"
 
 def probe_lighthouse(address: str, timeout_s: float = 10.0) -> tuple[str, str]:
     """Ask ``address`` a torchft lighthouse question. ``("", "")`` when a lighthouse answers;
-    else ``(kind, detail)``: kind ``"unreachable"`` (no connection, e.g. "Connection refused")
-    or ``"not a lighthouse"`` (something else answers there, or nothing within ``timeout_s``)."""
+    else ``(kind, detail)``: kind ``"unreachable"`` (no connection, e.g. "Connection refused"),
+    ``"not a lighthouse"`` (something else answers there) or ``"silent"`` (a connection, but no
+    answer within ``timeout_s``: something that never answers, or a lighthouse too busy or
+    stopped to answer now)."""
     import http.client
 
     parts = urlsplit(address if "://" in address else f"http://{address}")
@@ -92,7 +94,7 @@ def probe_lighthouse(address: str, timeout_s: float = 10.0) -> tuple[str, str]:
             response = conn.getresponse()
             response.read(4096)
         except TimeoutError:
-            return "not a lighthouse", f"no answer within {timeout_s:g}s"
+            return "silent", f"no answer within {timeout_s:g}s"
         except (OSError, http.client.HTTPException) as err:
             return "not a lighthouse", f"no HTTP answer: {type(err).__name__}"
         grpc = (response.getheader("content-type") or "").startswith("application/grpc")
@@ -108,8 +110,9 @@ def probe_lighthouse(address: str, timeout_s: float = 10.0) -> tuple[str, str]:
 def check_lighthouse(ft: FTConfig, timeout_s: float = 10.0) -> None:
     """Pre-flight: torchft is installed and a torchft lighthouse answers at the address (one
     line, FaultToleranceError, within about ``2 * timeout_s``). No-op without fault tolerance.
-    The wait is generous: a busy machine (a group restarting beside live ones) can keep a
-    real lighthouse's answer for seconds, and a refusal there would stop the rejoin."""
+    A connection that gets no answer is one warning, not a refusal: a lighthouse that is busy
+    or held can be slow to answer, and refusing would stop a group's rejoin; the groups' quorum
+    timeout bounds the wait if it is no lighthouse."""
     if not ft.enable:
         return
     address = lighthouse_address(ft)
@@ -126,7 +129,14 @@ def check_lighthouse(ft: FTConfig, timeout_s: float = 10.0) -> None:
             "it there with `torchft_lighthouse --min_replicas 1` or fix "
             f"--fault_tolerance.lighthouse / {LIGHTHOUSE_ENV}"
         )
-    if kind:
+    if kind == "silent":
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"the torchft lighthouse at {address} accepted a connection but did not answer "
+            f"({detail}); going on (fault_tolerance.quorum_timeout_seconds bounds the wait)"
+        )
+    elif kind:
         raise FaultToleranceError(
             f"{address} is not a torchft lighthouse ({detail}); point "
             f"--fault_tolerance.lighthouse / {LIGHTHOUSE_ENV} at one, started with "
