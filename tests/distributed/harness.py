@@ -207,6 +207,41 @@ def parallelized_model(
     return model, dims
 
 
+def tp2_gradient_errors(spec: Any, args: Any, ref: nn.Module) -> list[tuple[float, str]]:
+    """Worker (2 ranks): ``ref`` (one device, weights as the test set them) and the same
+    weights under TP2 take one batch's summed cross-entropy; per parameter, max |grad
+    difference| / max |grad|, worst first (MoE gradients reduced over tp as the trainer does)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan.distributed.expert_parallel import moe_grad_hooks
+
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                 reduction="sum")
+
+    loss_of(ref(tokens)).backward()
+    model, dims = parallelized_model(
+        spec, args, 2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
+        disable_loss_parallel=True,
+    )
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    loss_of(model(tokens)).backward()
+    for hook in moe_grad_hooks([model], dims):  # the router / expert gradients over tp
+        hook()
+    ref_grads = dict(ref.named_parameters())
+    worst = []
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        expected = ref_grads[name].grad
+        worst.append(((grad - expected).abs().max().item() / expected.abs().max().item(), name))
+    return sorted(worst, reverse=True)
+
+
 def run_layouts(layouts: list[Layout], steps: int = STEPS) -> dict[str, RunResult]:
     """Worker entry: every layout in turn on this process group."""
     results = {}

@@ -79,11 +79,7 @@ def test_two_ranks_match_one_device(layout, runs):
 def tp_gradients() -> list[tuple[float, str]]:
     """Worker: the debugmodel (random routing bias) on one device and under TP2 with the same
     weights and batch; per parameter, max |grad difference| / max |grad| (worst first)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    from tests.distributed.harness import parallelized_model
-    from torchtitan.distributed.expert_parallel import moe_grad_hooks
+    from tests.distributed.harness import tp2_gradient_errors
     from torchtitan.models import get_model_spec
 
     spec = get_model_spec("deepseek_v3")
@@ -95,29 +91,7 @@ def tp_gradients() -> list[tuple[float, str]]:
     with torch.no_grad():
         for layer in list(ref.layers.values())[args.n_dense_layers:]:
             layer.moe.expert_bias.normal_(0, 0.01)
-    state = {k: v.clone() for k, v in ref.state_dict().items()}
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
-
-    def loss_of(logits: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-
-    loss_of(ref(tokens)).backward()
-    model, dims = parallelized_model(
-        spec, args, 2, tensor_parallel_degree=2, data_parallel_shard_degree=1,
-        disable_loss_parallel=True,
-    )
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-    loss_of(model(tokens)).backward()
-    for hook in moe_grad_hooks([model], dims):  # the router / expert gradients over tp
-        hook()
-    ref_grads = dict(ref.named_parameters())
-    worst = []
-    for name, p in model.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        expected = ref_grads[name].grad
-        worst.append(((grad - expected).abs().max().item() / expected.abs().max().item(), name))
-    return sorted(worst, reverse=True)
+    return tp2_gradient_errors(spec, args, ref)
 
 
 def test_tp2_gradients_equal_one_device():
