@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.chunked_loss import choose_loss_path, precomputed_loss
 from torchtitan.components.converters import ModelConverters, build_converters
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
@@ -74,6 +75,9 @@ class RunParts:
     compute_dtype: str
     """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
     loss_parallel: bool
+    loss_in_model: bool = False
+    """The model's output head computes the summed loss (``model(tokens, labels=labels)``,
+    the chunked loss); ``loss_fn`` then only passes it on."""
     converters: ModelConverters = field(default_factory=ModelConverters)
     """``model.converters`` (float8, mx): applied before parallelizing; hooked after each
     optimizer step."""
@@ -88,6 +92,15 @@ class RunParts:
         return self.parallel_dims.get_mesh("dp_cp")
 
 
+
+
+def _shared_loss(spec: ModelSpec) -> bool:
+    """The family uses the shared cross-entropy (not a loss of its own)."""
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.models.spec import LazyCallable
+
+    fn = spec.build_loss_fn
+    return (fn.resolve() if isinstance(fn, LazyCallable) else fn) is build_cross_entropy_loss
 
 
 def dataloader_factory(
@@ -185,6 +198,17 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
+        loss_in_model = choose_loss_path(
+            cfg.training.loss_implementation, cfg.training.loss_chunk_size, device.type, model,
+            family_loss=not _shared_loss(spec),
+            tp_logits_replicated=parallel_dims.tp_enabled
+            and cfg.parallelism.disable_loss_parallel,
+        )
+        if loss_in_model:  # set before the pipeline split copies the head
+            model.output.fuse_loss = True
+            model.output.loss_chunk_size = cfg.training.loss_chunk_size
+            model.output.loss_compile_backend = cfg.compile.backend if compile_loss else None
+            loss_fn = precomputed_loss
         nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
         logger.info(f"Model {cfg.model.name} {cfg.model.flavor}: {nparams:,} parameters")
         pipeline = None
@@ -255,6 +279,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         ),
         moe_layers=layers,
         compute_dtype=compute_dtype(cfg.training, parallel_dims),
+        loss_in_model=loss_in_model,
         loss_parallel=parallel_dims.loss_parallel_enabled
         and not cfg.parallelism.disable_loss_parallel,
         converters=converters,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.components.chunked_loss import check_loss_settings
 from torchtitan.components.converters import check_converters
 from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
@@ -221,6 +222,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     if parallel_dims.cp_enabled:
         check_context_parallel(cfg, model_args, parallel_dims.cp)
     check_validation_seq_len(cfg.validation, model_args)
+    check_loss_settings(cfg.training)
     check_early_step(cfg, parallel_dims)
     _check_model_shapes(cfg, parallel_dims, spec, model_args)
     return RunPlan(

@@ -62,19 +62,26 @@ def sequence_context(
         cp_mesh, rotate_method=run.job_config.parallelism.context_parallel_rotate_method, **shard
     )
 
-def model_inputs(run: RunParts, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+def model_inputs(
+    run: RunParts, inputs: torch.Tensor, labels: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Keyword inputs of the model's forward besides the tokens: ``document_ids`` (from the
     tokenizer's BOS/EOS in ``inputs``) when the model masks attention by document (or uses a
-    window or FlexAttention: the ids give every model part the batch's shape). Built here,
-    once per batch, so every model part (pipeline stages too) gets the document boundaries."""
+    window or FlexAttention: the ids give every model part the batch's shape), and ``labels``
+    when the model's output head computes the loss (``run.loss_in_model``). Built here, once
+    per batch, so every model part (pipeline stages too) gets them."""
+    kwargs = {}
+    if run.loss_in_model and labels is not None:
+        kwargs["labels"] = labels
     if not uses_attention_mask(run.model_args):
-        return {}
+        return kwargs
     from torchtitan.models.common.document_mask import document_ids
 
     tokenizer = run.tokenizer
     bos = tokenizer.bos_id if tokenizer is not None else -1
     eos = tokenizer.eos_id if tokenizer is not None else -1
-    return {"document_ids": document_ids(inputs, bos, eos)}
+    kwargs["document_ids"] = document_ids(inputs, bos, eos)
+    return kwargs
 
 
 def forward_backward(
@@ -84,7 +91,7 @@ def forward_backward(
     pipeline ranks without the last stage)."""
     if run.parallel_dims.cp_enabled:  # the batch is resized in place: own its storage
         inputs, labels = inputs.clone(), labels.clone()
-    kwargs = model_inputs(run, inputs)
+    kwargs = model_inputs(run, inputs, labels)
     with loss_context(run), sequence_context(run, inputs, labels):
         if run.pipeline is not None:
             # The schedule splits the batch (and kwargs) into pipeline microbatches itself.

@@ -22,7 +22,7 @@ BatchLoss = Callable[..., torch.Tensor]
 class Validator:
     """Runs the model over a validation dataloader every ``freq`` steps.
 
-    ``batch_loss(inputs, labels, **batch_kwargs(inputs))`` returns one batch's summed token
+    ``batch_loss(inputs, labels, **batch_kwargs(inputs, labels))`` returns one batch's summed token
     loss: the model's forward and the loss function, or a forward-only pass through pipeline
     stages. It runs inside ``loss_context(inputs, labels)`` (loss parallel, context parallel,
     which may shard the batch: ``batch_kwargs``, e.g. document ids, are taken before it).
@@ -38,7 +38,7 @@ class Validator:
         device: torch.device,
         dp_mesh: DeviceMesh | None,
         loss_context: Callable[[torch.Tensor, torch.Tensor], contextlib.AbstractContextManager],
-        batch_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
+        batch_kwargs: Callable[[torch.Tensor, torch.Tensor], dict] = lambda inputs, labels: {},
     ) -> None:
         self.build_dataloader = build_dataloader
         self.batch_loss = batch_loss
@@ -84,7 +84,7 @@ class Validator:
             if batch is None:
                 continue
             inputs, labels = (t.to(self.device).clone() for t in batch)
-            kwargs = self.batch_kwargs(inputs)
+            kwargs = self.batch_kwargs(inputs, labels)
             with self.loss_context(inputs, labels):
                 loss_sum += self.batch_loss(inputs, labels, **kwargs).double()
             # The labels the loss saw: this rank's slice of the sequence under context parallel.
@@ -114,12 +114,12 @@ def build_validator(run: RunParts) -> Validator:
     if run.pipeline is not None:
         pipeline = run.pipeline
 
-        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs) -> torch.Tensor:
             return pipeline.eval_loss(inputs, labels, **kwargs)
     else:
         model, loss_fn = run.model_parts[0], run.loss_fn
 
-        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs) -> torch.Tensor:
             return local_value(loss_fn(model(inputs, **kwargs), labels))
 
     return Validator(
@@ -132,7 +132,7 @@ def build_validator(run: RunParts) -> Validator:
         loss_context=lambda inputs, labels: _stacked(
             loss_context(run), sequence_context(run, inputs, labels)
         ),
-        batch_kwargs=lambda inputs: model_inputs(run, inputs),
+        batch_kwargs=lambda inputs, labels: model_inputs(run, inputs, labels),
     )
 
 

@@ -207,6 +207,17 @@ class Training:
     max_norm: float = 1.0
     """Gradient-norm clipping threshold (<= 0 disables clipping; the norm is still logged)."""
 
+    loss_implementation: Literal["auto", "logits", "chunked"] = "auto"
+    """How the loss comes from the last hidden states. logits: the output projection makes the
+    [tokens, vocab] logits, then float32 cross-entropy. chunked: the projection is fused with
+    the cross-entropy loss_chunk_size tokens at a time, so the logits never exist whole (less
+    memory, the same numbers up to float rounding). auto: chunked on CUDA, logits elsewhere
+    (and where the output projection is converted, e.g. float8 without "output" in
+    filter_fqns, or a family declares its own loss)."""
+
+    loss_chunk_size: int = 8192
+    """Tokens per chunk of the chunked loss (memory: chunk x vocab logits at a time)."""
+
     steps: int = 10000
     """Number of training steps."""
 

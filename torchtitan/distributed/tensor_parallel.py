@@ -60,16 +60,22 @@ def sum_gradient_over_tp(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     return _CopyToTensorParallel.apply(x, tp_mesh.get_group().group_name)
 
 
-def non_block_tp_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
-    """Plan for ``tok_embeddings`` (vocab-parallel), ``norm`` (SP) and ``output``."""
+def non_block_tp_plan(loss_parallel: bool = True, fused_loss: bool = False
+                      ) -> dict[str, ParallelStyle]:
+    """Plan for ``tok_embeddings`` (vocab-parallel), ``norm`` (SP) and ``output``.
+    ``fused_loss``: the output head computes the loss itself (``chunked_loss``), so only its
+    weight is sharded over the vocabulary and it takes the norm's sequence shards as they are."""
+    output: ParallelStyle = ColwiseParallel(
+        input_layouts=Shard(1),
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
+    if fused_loss:
+        output = WithShardedParameters(None, ("weight",), dim=0)
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
+        "output": output,
     }
 
 
@@ -279,9 +285,10 @@ def apply_non_block_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: boo
     """:func:`non_block_tp_plan` on the parts ``model`` has (a pipeline stage may lack some);
     tied input/output embeddings stay tied, and the embedding's output is waited for."""
     tied = _is_tied(model)
+    fused_loss = getattr(getattr(model, "output", None), "fuse_loss", False)
     plan = {
         name: style
-        for name, style in non_block_tp_plan(loss_parallel).items()
+        for name, style in non_block_tp_plan(loss_parallel, fused_loss).items()
         if getattr(model, name, None) is not None
     }
     if plan:

@@ -48,6 +48,7 @@ def pipeline_forward_only(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    /,
     **model_kwargs: torch.Tensor,
 ) -> torch.Tensor:
     """Forward-only pass of one batch through ``schedule``'s stages, then ``loss_fn``.

@@ -23,6 +23,7 @@ def pipeline_step(
     schedule: _PipelineSchedule,
     inputs: torch.Tensor,
     labels: torch.Tensor,
+    /,
     *,
     has_first_stage: bool,
     has_last_stage: bool,
@@ -106,7 +107,7 @@ class Pipeline:
         return self.loss_fn(pred, labels) * self._loss_scale
 
     def train_step(
-        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+        self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float, /,
         **model_kwargs: torch.Tensor,
     ) -> torch.Tensor:
         """Forward+backward of one batch; the scaled loss on last-stage ranks, else 0."""
@@ -124,7 +125,7 @@ class Pipeline:
             self._loss_scale = 1.0
 
     def eval_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor
+        self, inputs: torch.Tensor, labels: torch.Tensor, /, **model_kwargs: torch.Tensor
     ) -> torch.Tensor:
         """Summed token loss of one batch, forward only, the same on every pp rank."""
         total = pipeline_forward_only(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from torchtitan.components.chunked_loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy_sum
 from torchtitan.models.common.document_mask import (
     SequenceShard,
     batch_attention_mask,
@@ -241,8 +242,32 @@ def keep_float32_buffers(model: nn.Module, fn: Callable[[torch.Tensor], torch.Te
     return apply
 
 
+class OutputHead(nn.Linear):
+    """The output projection. ``head(h)`` gives logits; ``head(h, labels)`` gives the summed
+    token cross-entropy, fused with the projection a chunk of tokens at a time (the
+    ``[tokens, vocab]`` logits never exist: ``components/chunked_loss.py``).
+
+    ``fuse_loss`` (set by the trainer) says the trainer calls the model with ``labels``, so
+    that parallelisms shard this layer for the fused loss; ``loss_chunk_size`` and
+    ``loss_compile_backend`` (None: eager) tune it."""
+
+    fuse_loss: bool = False
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
+    loss_compile_backend: str | None = None
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.bias is not None:
+            raise ValueError("the fused output loss supports an output projection without bias")
+        return linear_cross_entropy_sum(
+            h, self.weight, labels, self.loss_chunk_size, self.loss_compile_backend
+        )
+
+
 class Decoder(nn.Module):
-    """Decoder-only transformer: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``.
+    """Decoder-only transformer: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``
+    (with ``labels``: the summed token loss, :class:`OutputHead`).
 
     A family subclasses it and declares ``build_block(layer_id, args)``.
     """
@@ -260,7 +285,7 @@ class Decoder(nn.Module):
             {str(i): self.build_block(i, model_args) for i in range(model_args.n_layers)}
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.output: nn.Linear | None = OutputHead(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
@@ -333,10 +358,13 @@ class Decoder(nn.Module):
         return result
 
     def forward(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids ``[B, S]`` (or hidden states ``[B, S, D]`` when ``tok_embeddings`` is None)
-        to logits ``[B, S, V]`` (or hidden states when ``output`` is None).
+        to logits ``[B, S, V]`` (or hidden states when ``output`` is None); with ``labels``
+        ``[B, S]``, the summed token cross-entropy (float32, ``IGNORE_INDEX`` labels left out)
+        computed without materialising the logits.
 
         ``document_ids`` (``[B, S]``, from ``document_mask.document_ids``) are required by
         ``attn_mask_type="block_causal"`` (and give the sequence length to pipeline stages
@@ -353,4 +381,6 @@ class Decoder(nn.Module):
                 )
             h = layer(h, self.freqs_cis, attention_mask=masks[window])
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels)

@@ -1,0 +1,65 @@
+"""The chunked loss (``--training.loss_implementation chunked``: the output projection fused
+with cross-entropy, the logits never whole) equals the plain logits path under every
+parallelism that touches the output layer: one device, FSDP2, TP2 (vocabulary-parallel:
+the weight sharded over the vocabulary, max / sum of exponentials / label logit all-reduced,
+the hidden states' gradient reduce-scattered), PP2 (the last stage returns the loss) and CP2
+(each rank's part of the sequence), on two gloo ranks from one seed checkpoint, with
+validation through the same path. Chunks of 50 tokens split every microbatch unevenly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launcher import launch
+from tests.distributed.trainer_runs import NORM_TOL, STEPS, TOL, from_seed, run_sequence, seed_args
+
+pytestmark = pytest.mark.slow  # launches gloo ranks
+
+CHUNKED = ["--training.loss_implementation", "chunked", "--training.loss_chunk_size", "50"]
+VALIDATION = ["--validation.enable", "--validation.dataset", "c4_test",
+              "--validation.local_batch_size", "2", "--validation.seq_len", "64",
+              "--validation.steps", "2", "--validation.freq", "100"]
+ONE_BATCH = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
+TWO_RANKS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": [*ONE_BATCH, "--parallelism.tensor_parallel_degree", "2"],
+    "pp2": [*ONE_BATCH, "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "cp2": [*ONE_BATCH, "--parallelism.context_parallel_degree", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
+    root = tmp_path_factory.mktemp("chunked_loss")
+    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
+    one = [seed_args(str(root / "seed")),
+           from_seed(seed_dir, str(root / "logits"), *VALIDATION),
+           from_seed(seed_dir, str(root / "one"), *VALIDATION, *CHUNKED)]
+    _, logits, chunked = launch(run_sequence, 1, one, timeout_s=300)[0]
+    out = {"logits": logits, "one": [chunked]}
+    argvs = [from_seed(seed_dir, str(root / name), *VALIDATION, *CHUNKED, *flags)
+             for name, flags in TWO_RANKS.items()]
+    per_rank = launch(run_sequence, 2, argvs, timeout_s=600)
+    for i, name in enumerate(TWO_RANKS):
+        out[name] = [rank[i] for rank in per_rank]
+    return out
+
+
+def test_logits_path_trains(runs):
+    losses = runs["logits"]["loss"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("layout", ["one", *TWO_RANKS])
+def test_chunked_loss_matches_logits(layout, runs):
+    reference = runs["logits"]
+    for rank, run in enumerate(runs[layout]):
+        # FSDP2's validation batches are other rows (two data-parallel ranks)
+        for key in ("loss", "grad_norm") + (() if layout == "fsdp2" else ("val",)):
+            torch.testing.assert_close(
+                run[key], reference[key], **(NORM_TOL if key == "grad_norm" else TOL),
+                msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
+            )

@@ -1,0 +1,192 @@
+"""The chunked loss (output projection fused with cross-entropy) against the plain logits path:
+values, gradients, ignored labels, autocast, the decoder's ``labels`` path, the largest tensor
+it allocates, and when the trainer chooses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan.components.chunked_loss import (
+    check_loss_settings,
+    choose_loss_path,
+    linear_cross_entropy_sum,
+)
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss_sum
+from torchtitan.config.job_config import Training
+
+B, S, D, V = 2, 37, 16, 101
+
+
+def _inputs(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, S, D, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(V, D, generator=g, dtype=dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, :5] = IGNORE_INDEX
+    labels[1, -3:] = IGNORE_INDEX
+    return h, w, labels
+
+
+def _loss_and_grads(fn, h, w, scale=0.37):
+    h.grad = w.grad = None
+    loss = fn()
+    (loss * scale).backward()
+    return loss.detach(), h.grad.clone(), w.grad.clone()
+
+
+def _plain(h, w, labels):
+    return lambda: cross_entropy_loss_sum(h @ w.t(), labels)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, S, B * S, 1000])
+def test_equals_plain_path_in_float32(chunk):
+    h, w, labels = _inputs()
+    ref = _loss_and_grads(_plain(h, w, labels), h, w)
+    got = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, chunk), h, w)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-4)  # a sum of ~60 terms
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+
+
+def test_ignored_labels_add_nothing():
+    h, w, labels = _inputs()
+    all_ignored = torch.full_like(labels, IGNORE_INDEX)
+    loss, gh, gw = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, all_ignored, 8), h, w)
+    assert loss.item() == 0.0 and gh.abs().max() == 0 and gw.abs().max() == 0
+
+
+def test_compiled_chunk_math_equals_eager():
+    h, w, labels = _inputs(1)
+    eager = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, 16), h, w)
+    compiled = _loss_and_grads(
+        lambda: linear_cross_entropy_sum(h, w, labels, 16, compiled="aot_eager"), h, w
+    )
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_no_grad_gives_the_loss_only():
+    h, w, labels = _inputs(2)
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(h, w, labels, 5)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, cross_entropy_loss_sum(h @ w.t(), labels).detach(),
+                               rtol=1e-6, atol=1e-4)
+
+
+def test_autocast_projects_in_bf16_like_linear():
+    h, w, labels = _inputs(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _loss_and_grads(lambda: cross_entropy_loss_sum(
+            torch.nn.functional.linear(h, w), labels), h, w)
+        got = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, 20), h, w)
+    assert got[1].dtype == h.dtype and got[2].dtype == w.dtype
+    # same bf16 logits; the logits' gradient is rounded to bf16 before the loss scale, not after
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(got[1], ref[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[2], ref[2], rtol=2e-2, atol=2e-2)
+
+
+def test_mismatched_labels_are_one_line():
+    h, w, labels = _inputs()
+    with pytest.raises(ValueError, match="74 hidden states but 37 labels"):
+        linear_cross_entropy_sum(h, w, labels[0], 8)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor (in elements) any op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_materialises_the_logits():
+    h, w, labels = _inputs()
+    tokens = B * S
+    with _LargestAllocation() as plain:
+        _loss_and_grads(_plain(h, w, labels), h, w)
+    with _LargestAllocation() as chunked:
+        _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, 8), h, w)
+    assert plain.largest >= tokens * V
+    assert chunked.largest == max(8 * V, V * D, tokens * D)
+
+
+def _tiny_decoder():
+    from torchtitan.models import get_model_spec
+
+    spec = get_model_spec("llama3")
+    args = spec.get_model_args("debugmodel_tiny")
+    args.vocab_size = 300
+    torch.manual_seed(0)
+    model = spec.model_cls(args)
+    model.init_weights()
+    return model, args
+
+
+def test_decoder_labels_path_equals_logits_path():
+    model, args = _tiny_decoder()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, 24), generator=g)
+    labels[:, :4] = IGNORE_INDEX
+
+    def grads(loss):
+        model.zero_grad()
+        (loss / 10).backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref = grads(cross_entropy_loss_sum(model(tokens), labels))
+    model.output.loss_chunk_size = 7
+    loss, got = grads(model(tokens, labels=labels))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _Head(torch.nn.Linear):
+    pass
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_chooses_chunked_on_cuda_only(device):
+    model, _ = _tiny_decoder()
+    assert choose_loss_path("auto", 64, device, model, False, False) is (device == "cuda")
+    assert choose_loss_path("chunked", 64, device, model, False, False) is True
+    assert choose_loss_path("logits", 64, device, model, False, False) is False
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ("converted", "the output projection is a _Head (a converter replaced it"),
+        ("family_loss", "this model family declares its own loss"),
+        ("replicated", "parallelism.disable_loss_parallel gathers the logits"),
+    ],
+)
+def test_chunked_where_it_cannot_apply(change, expected):
+    model, args = _tiny_decoder()
+    if change == "converted":
+        model.output = _Head(args.dim, args.vocab_size, bias=False)
+    family_loss, replicated = change == "family_loss", change == "replicated"
+    with pytest.raises(ValueError) as err:
+        choose_loss_path("chunked", 64, "cuda", model, family_loss, replicated)
+    assert str(err.value).startswith("training.loss_implementation=chunked cannot apply: ")
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    # auto falls back to the logits
+    assert choose_loss_path("auto", 64, "cuda", model, family_loss, replicated) is False
+
+
+def test_chunk_size_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"training.loss_chunk_size=0 must be >= 1"):
+        check_loss_settings(Training(loss_chunk_size=0))
+    check_loss_settings(Training())

@@ -1,0 +1,251 @@
+"""The output projection fused with cross-entropy, a chunk of tokens at a time.
+
+The plain path materialises the ``[tokens, vocab]`` logits (then a float32 copy, its
+log-softmax and its gradient: several bytes per logit, gigabytes at a 128k vocabulary).
+:func:`linear_cross_entropy_sum` computes the same summed token loss without ever holding more
+than ``chunk_size`` rows of logits: for each chunk it projects, takes the float32 loss and the
+gradient of the logits (``softmax - onehot``), and folds that gradient straight into the
+gradients of the hidden states and of the weight. The backward only scales those by the
+incoming gradient (a scalar). Same matmuls as the plain path, no recomputation; the numbers
+equal the plain path's within float rounding (the gradient of the logits is rounded to the
+compute dtype before the loss scale is applied instead of after).
+
+Under tensor parallelism the weight is a ``DTensor`` sharded over the vocabulary (``Shard(0)``)
+and the hidden states arrive sequence-sharded: the chunk's max, sum of exponentials and label
+logit are all-reduced over the TP ranks (vocabulary-parallel cross-entropy, Megatron's), the
+hidden states' gradient is reduce-scattered back to sequence shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.loss import IGNORE_INDEX
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "linear_cross_entropy_sum", "precomputed_loss"]
+
+DEFAULT_CHUNK_SIZE = 8192
+
+
+def precomputed_loss(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss function when the model's output head already returned the summed
+    token loss (``model(tokens, labels=labels)``)."""
+    return loss
+
+
+def _chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed float32 cross-entropy of one chunk and the gradient of its logits (in
+    ``grad_dtype``); rows whose label is ``IGNORE_INDEX`` add nothing to either."""
+    logits = logits.float()
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0).sum()
+    grad = torch.exp(logits - lse[:, None])
+    grad = grad - torch.nn.functional.one_hot(safe, logits.shape[-1]).to(grad.dtype)
+    grad = torch.where(valid[:, None], grad, 0.0)
+    return loss, grad.to(grad_dtype)
+
+
+@functools.cache
+def _compiled_chunk_loss_and_grad(backend: str) -> Callable:
+    return torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss and both gradients in the forward; the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk_size, compiled, tp_group, vocab_start):
+        n = h.shape[0]
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = None
+        for start in range(0, n, chunk_size):
+            h_c, labels_c = h[start:start + chunk_size], labels[start:start + chunk_size]
+            logits = h_c @ weight.t()
+            if tp_group is None:
+                fn = _compiled_chunk_loss_and_grad(compiled) if compiled else _chunk_loss_and_grad
+                loss_c, grad_logits = fn(logits, labels_c, h.dtype)
+            else:
+                loss_c, grad_logits = _vocab_parallel_chunk(
+                    logits, labels_c, h.dtype, tp_group, vocab_start
+                )
+            loss += loss_c
+            if need_grad:
+                grad_h[start:start + chunk_size] = grad_logits @ weight
+                grad_w = _add_weight_grad(grad_w, grad_logits, h_c)
+        if need_grad:
+            if grad_w is None:  # no tokens
+                grad_w = torch.zeros_like(weight)
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_loss.to(grad_h.dtype)
+        return grad_h * scale, grad_w * scale.to(grad_w.dtype), None, None, None, None, None
+
+
+def _add_weight_grad(
+    acc: torch.Tensor | None, grad_logits: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """``acc + grad_logits.T @ h``: the first chunk's product as it is (one chunk: exactly the
+    plain path's matmul), later chunks summed in float32 (on CUDA inside the matmul)."""
+    if acc is None:
+        return grad_logits.t() @ h
+    acc = acc.float()
+    if acc.is_cuda and h.dtype != torch.float32:
+        return torch.addmm(acc, grad_logits.t(), h, out_dtype=torch.float32)
+    return acc.add_((grad_logits.t() @ h).float())
+
+
+def _vocab_parallel_chunk(
+    logits: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype,
+    group: dist.ProcessGroup, vocab_start: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_loss_and_grad` for this rank's slice of the vocabulary
+    ``[vocab_start, vocab_start + logits.shape[-1])``: the max, the sum of exponentials and the
+    label's logit are all-reduced over ``group``."""
+    logits = logits.float()
+    valid = labels != IGNORE_INDEX
+    local = labels - vocab_start
+    mine = valid & (local >= 0) & (local < logits.shape[-1])
+    safe = torch.where(mine, local, 0)
+    row_max = logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    exp = torch.exp(logits - row_max[:, None])
+    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1), 0.0)
+    sums = torch.stack([exp.sum(dim=-1), target])
+    dist.all_reduce(sums, group=group)
+    sum_exp, target = sums[0], sums[1]
+    loss = torch.where(valid, torch.log(sum_exp) + row_max - target, 0.0).sum()
+    grad = exp / sum_exp[:, None]
+    grad = grad - torch.nn.functional.one_hot(safe, logits.shape[-1]).to(grad.dtype) \
+        * mine[:, None]
+    grad = torch.where(valid[:, None], grad, 0.0)
+    return loss, grad.to(grad_dtype)
+
+
+def linear_cross_entropy_sum(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, compiled: str | None = None,
+) -> torch.Tensor:
+    """Summed token cross-entropy (float32) of ``h @ weight.T`` against ``labels``, without
+    materialising the logits: ``h`` ``[..., D]``, ``weight`` ``[V, D]``, ``labels`` ``h``'s
+    leading shape, ``IGNORE_INDEX`` rows do not count. ``chunk_size`` tokens are projected at
+    a time; ``compiled`` (a ``torch.compile`` backend, e.g. ``"inductor"``) compiles the
+    per-chunk float32 math (one pass over the chunk's logits).
+
+    Under autocast the projection runs in the autocast dtype, as ``nn.Linear`` would. A
+    ``DTensor`` ``weight`` sharded over the vocabulary on a 1-D mesh (tensor parallel, with
+    ``h`` a DTensor on the same mesh) takes the vocabulary-parallel path; the loss is then the
+    same plain tensor on every TP rank.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    tp_group, vocab_start = None, 0
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        h, weight, tp_group, vocab_start = _local_vocab_parallel(h, weight)
+    elif isinstance(h, DTensor):
+        raise ValueError("linear_cross_entropy_sum: h is a DTensor but the weight is not")
+    flat_h = h.reshape(-1, h.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if flat_labels.shape[0] != flat_h.shape[0]:
+        raise ValueError(
+            f"linear_cross_entropy_sum: {flat_h.shape[0]} hidden states but "
+            f"{flat_labels.shape[0]} labels"
+        )
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(
+            flat_h, weight, flat_labels, chunk_size, compiled, tp_group, vocab_start
+        )
+
+
+def _local_vocab_parallel(h, weight):
+    """``(h_local, weight_local, group, vocab_start)`` for a vocabulary-sharded weight: ``h``
+    gathered to the whole sequence (its gradient reduce-scattered back), the weight's rows of
+    this rank."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(
+            f"linear_cross_entropy_sum: the weight must be sharded over the vocabulary on a "
+            f"1-D mesh, got placements {weight.placements} on a {mesh.ndim}-D mesh"
+        )
+    if not isinstance(h, DTensor):
+        h = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
+    h = h.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    rows = weight.to_local()
+    vocab = weight.shape[0]
+    rank, size = mesh.get_local_rank(), mesh.size()
+    per_rank = -(-vocab // size)  # DTensor's Shard(0): ceil-sized pieces, the last shorter
+    return h, rows, mesh.get_group(), min(rank * per_rank, vocab)
+
+
+def choose_loss_path(
+    implementation: str, chunk_size: int, device_type: str, model: torch.nn.Module,
+    family_loss: bool, tp_logits_replicated: bool,
+) -> bool:
+    """Whether the run fuses the output projection with the loss (``training.
+    loss_implementation``: ``logits``, ``chunked`` or ``auto``: chunked on CUDA). Chunked
+    needs the decoder's plain output head (not converted, e.g. by float8), the shared
+    cross-entropy (``family_loss``: the family declares its own) and, under tensor parallel,
+    loss parallel (``tp_logits_replicated``: it is off). ``chunked`` where it cannot apply is
+    a one-line ValueError; ``auto`` then computes the logits and says why."""
+    from torchtitan.tools.logging import logger
+
+    if implementation == "logits":
+        return False
+    head = getattr(model, "output", None)
+    obstacle = None
+    if not hasattr(head, "fuse_loss"):  # the decoder's OutputHead (not imported: a cycle)
+        obstacle = (
+            "the model has no plain output projection" if head is None else
+            f"the output projection is a {type(head).__name__} (a converter replaced it; for "
+            "float8 keep 'output' in quantize.linear.float8.filter_fqns)"
+        )
+    elif head.bias is not None:
+        obstacle = "the output projection has a bias"
+    elif family_loss:
+        obstacle = "this model family declares its own loss"
+    elif tp_logits_replicated:
+        obstacle = "parallelism.disable_loss_parallel gathers the logits under tensor parallel"
+    if obstacle is not None:
+        if implementation == "chunked":
+            raise ValueError(f"training.loss_implementation=chunked cannot apply: {obstacle}")
+        if device_type == "cuda":
+            logger.info(f"Loss: full logits ({obstacle})")
+        return False
+    if implementation == "auto" and device_type != "cuda":
+        return False
+    logger.info(
+        f"Loss: output projection fused with cross-entropy over {chunk_size}-token chunks "
+        "(the logits never exist whole; --training.loss_implementation logits for the full logits)"
+    )
+    return True
+
+
+def check_loss_settings(training) -> None:
+    """One-line ValueError for ``training.loss_chunk_size`` below 1."""
+    if training.loss_chunk_size < 1:
+        raise ValueError(
+            f"training.loss_chunk_size={training.loss_chunk_size} must be >= 1 (tokens per "
+            "chunk of the chunked loss)"
+        )
