@@ -42,15 +42,15 @@ def _chunk_loss_and_grad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed float32 cross-entropy of one chunk and the gradient of its logits (in
     ``grad_dtype``); rows whose label is ``IGNORE_INDEX`` add nothing to either."""
-    logits = logits.float()
+    logits = logits.float()  # the chunk's own: the math below works in place on it
     valid = labels != IGNORE_INDEX
     safe = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits, dim=-1)
     target = logits.gather(1, safe[:, None]).squeeze(1)
     loss = torch.where(valid, lse - target, 0.0).sum()
-    grad = torch.exp(logits - lse[:, None])
-    grad = grad - torch.nn.functional.one_hot(safe, logits.shape[-1]).to(grad.dtype)
-    grad = torch.where(valid[:, None], grad, 0.0)
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax
+    grad.scatter_add_(1, safe[:, None], -valid[:, None].to(grad.dtype))  # minus one-hot
+    grad.mul_(valid[:, None])
     return loss, grad.to(grad_dtype)
 
 
@@ -123,16 +123,16 @@ def _vocab_parallel_chunk(
     safe = torch.where(mine, local, 0)
     row_max = logits.max(dim=-1).values
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    exp = torch.exp(logits - row_max[:, None])
-    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1), 0.0)
+    # the label's logit less the row max (as the exponentials below), on the rank holding it
+    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1) - row_max, 0.0)
+    exp = logits.sub_(row_max[:, None]).exp_()
     sums = torch.stack([exp.sum(dim=-1), target])
     dist.all_reduce(sums, group=group)
     sum_exp, target = sums[0], sums[1]
-    loss = torch.where(valid, torch.log(sum_exp) + row_max - target, 0.0).sum()
-    grad = exp / sum_exp[:, None]
-    grad = grad - torch.nn.functional.one_hot(safe, logits.shape[-1]).to(grad.dtype) \
-        * mine[:, None]
-    grad = torch.where(valid[:, None], grad, 0.0)
+    loss = torch.where(valid, torch.log(sum_exp) - target, 0.0).sum()
+    grad = exp.div_(sum_exp[:, None])
+    grad.scatter_add_(1, safe[:, None], -mine[:, None].to(grad.dtype))
+    grad.mul_(valid[:, None])
     return loss, grad.to(grad_dtype)
 
 
