@@ -38,6 +38,7 @@ from torchtitan.distributed.pipeline import Pipeline
 from torchtitan.models import ModelSpec, get_model_spec
 from torchtitan.models.common.moe import MoE, moe_layers
 from torchtitan.plan import import_custom_module, plan_run, reject_planned_features
+from torchtitan.tools.attention_kernels import resolve_attention_backend, set_attention_backend
 from torchtitan.tools.device import device_type, get_device
 from torchtitan.tools.logging import logger
 
@@ -173,7 +174,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     spec = get_model_spec(cfg.model.name)
     tokenizer = comm_mode.build_tokenizer(spec.build_tokenizer_fn, cfg.model)
     # Every check of the config (the pre-flight's too), with this run's tokenizer.
-    plan = plan_run(cfg, comm_mode.world_size, tokenizer=tokenizer, parallel_dims=parallel_dims)
+    plan = plan_run(cfg, comm_mode.world_size, tokenizer=tokenizer, parallel_dims=parallel_dims,
+                    device_type=device.type)
     model_args = plan.model_args
     global_bs, grad_accum = plan.global_batch_size, plan.gradient_accumulation_steps
     data_degree, data_rank_offset = plan.data_degree, plan.data_rank_offset
@@ -194,6 +196,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     loss_fn = spec.build_loss_fn(compile_loss, cfg.compile.backend)
 
     logger.info(f"Building {cfg.model.name} {cfg.model.flavor} with {model_args}")
+    # The SDPA kernel, timed on this rank's attention shape before any memory is taken.
+    sdpa_backend = resolve_attention_backend(cfg, parallel_dims, model_args, device)
     with comm_mode.model_build():
         with torch.device("meta"):
             model = spec.model_cls(model_args)
@@ -223,6 +227,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                 model = spec.parallelize_fn(model, parallel_dims, cfg)
             model_parts = [model]
         del model
+        set_attention_backend(model_parts, sdpa_backend, cfg.model.attention_backend != "auto")
         autocast = autocast_dtype(cfg.training, parallel_dims)
         log_precision(cfg.training, parallel_dims)
         with comm_mode.materialize():

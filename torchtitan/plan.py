@@ -21,6 +21,7 @@ from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
 from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
+from torchtitan.distributed.mixed_precision import compute_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import ModelSpec, get_model_spec
 from torchtitan.models.common.document_mask import (
@@ -29,6 +30,7 @@ from torchtitan.models.common.document_mask import (
     uses_attention_mask,
 )
 from torchtitan.models.common.moe import moe_layers
+from torchtitan.tools.attention_kernels import check_attention_backend
 
 __all__ = [
     "RunPlan",
@@ -190,13 +192,15 @@ def _check_model_shapes(cfg: JobConfig, parallel_dims: ParallelDims, spec: Model
 
 
 def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
-             parallel_dims: ParallelDims | None = None) -> RunPlan:
+             parallel_dims: ParallelDims | None = None,
+             device_type: str | None = None) -> RunPlan:
     """Check ``cfg`` for ``world_size`` ranks and derive what the build needs: the degrees,
     the batch arithmetic, the model args. Raises the one-line errors of a bad config
     (``ConfigError``, ``ParallelismError``, ``ValueError``, ``ImportError``).
 
     ``tokenizer`` (the ranks have one) sets the vocabulary and checks the document
-    separators; ``parallel_dims`` reuses degrees already resolved from ``cfg``.
+    separators; ``parallel_dims`` reuses degrees already resolved from ``cfg``;
+    ``device_type`` (the ranks' device: ``cpu`` / ``cuda``) adds the rules of that device.
     """
     import_custom_module(cfg.experimental)
     if parallel_dims is None:
@@ -213,6 +217,10 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     if hasattr(model_args, "validate"):
         model_args.validate()
     check_document_separators(model_args, tokenizer)
+    check_attention_backend(
+        cfg.model.attention_backend, model_args, cp=parallel_dims.cp, device_type=device_type,
+        compute_dtype=compute_dtype(cfg.training, parallel_dims),
+    )
     parallel_dims.validate_for_model(
         n_heads=model_args.n_heads,
         n_kv_heads=model_args.effective_n_kv_heads,

@@ -186,12 +186,14 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
         # The rest needs torch (imported here, so the checks above stay fast).
         from torchtitan.plan import plan_run
 
-        parallel_dims = plan_run(cfg, world_size or default_world_size(cfg.parallelism)).parallel_dims
-        if on_this_machine:
-            if device_type is None:
-                from torchtitan.tools.device import device_type as detected
+        if on_this_machine and device_type is None:
+            from torchtitan.tools.device import device_type as detected
 
-                device_type = detected
+            device_type = detected
+        device_type = device_type if on_this_machine else None
+        parallel_dims = plan_run(cfg, world_size or default_world_size(cfg.parallelism),
+                                 device_type=device_type).parallel_dims
+        if on_this_machine:
             _check_components(cfg, device_type)
             from torchtitan.components.fault_tolerance.layout import check_lighthouse
 

@@ -121,6 +121,12 @@ class Model:
     sliding_window_size: int | None = None
     """Attend to at most this many positions back; None: the flavor's (unlimited)."""
 
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of the causal and boolean-mask attention (FlexAttention stays chosen by
+    use_flex_attn). auto: on CUDA, the fastest kernel that matches the math kernel, timed once
+    at start-up on this run's attention shape (one log line); elsewhere PyTorch's choice.
+    flash / cudnn / efficient / math: that kernel only, refused in one line where it cannot run."""
+
     print_after_conversion: bool = False
     """Print the model after converters are applied."""
 

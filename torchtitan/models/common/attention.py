@@ -27,6 +27,9 @@ class GroupedQueryAttention(nn.Module):
     """
 
     rotary = staticmethod(apply_rotary_emb)
+    sdpa_backend: Any = None
+    """The SDPA kernel (``torch.nn.attention.SDPBackend``) this run forces; None: PyTorch's
+    choice (``tools/attention_kernels.set_attention_backend``)."""
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -74,7 +77,7 @@ class GroupedQueryAttention(nn.Module):
         xq, xk = self.rotary(xq, xk, freqs_cis)
         out = attend(
             xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), attention_mask,
-            n_rep=self.n_rep, sinks=_local(self.sinks),
+            n_rep=self.n_rep, sinks=_local(self.sinks), backend=self.sdpa_backend,
         )
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)

@@ -255,28 +255,31 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
            compiled_flex: bool = True, scale: float | None = None, n_rep: int = 1,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, backend: Any = None) -> torch.Tensor:
     """Attention on ``[B, H, S, D]`` tensors with a mask from :func:`build_attention_mask`
     (``scale``: the softmax scale, default ``1/sqrt(D)``). Grouped-query attention: ``k`` and
     ``v`` have ``H / n_rep`` heads, each shared by ``n_rep`` query heads. A
     :class:`ShardedMask` gathers the whole sequence's keys/values first (before the heads are
     repeated, so ``n_rep`` times less traffic). ``sinks`` (``[H]``): one more logit per head in
     the softmax denominator (``attention_sinks.py``: an extra key for SDPA, an ``lse``
-    rescale for FlexAttention)."""
+    rescale for FlexAttention). ``backend`` (a ``torch.nn.attention.SDPBackend``): the SDPA
+    paths run under ``sdpa_kernel([backend])`` (no fallback); None lets PyTorch choose
+    (``tools/attention_kernels.py`` decides it per run)."""
     if isinstance(mask, ShardedMask):
         k, v = mask.gather_kv(k, v)
         mask = mask.mask
     if n_rep > 1:
         k = repeat_kv(k.transpose(1, 2), n_rep).transpose(1, 2)
         v = repeat_kv(v.transpose(1, 2), n_rep).transpose(1, 2)
-    if sinks is not None and (mask is None or isinstance(mask, torch.Tensor)):
-        from torchtitan.models.common.attention_sinks import sdpa_with_sinks
+    if mask is None or isinstance(mask, torch.Tensor):
+        if backend is None:
+            return _sdpa(q, k, v, mask, scale, sinks)
+        # Inside the traced code on purpose: dynamo keeps the context manager in the graph
+        # (no graph break), and activation checkpointing recomputes under it too.
+        from torch.nn.attention import sdpa_kernel
 
-        return sdpa_with_sinks(q, k, v, mask, sinks, scale)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        with sdpa_kernel([backend]):
+            return _sdpa(q, k, v, mask, scale, sinks)
     if compiled_flex:
         flex = _compiled_flex_attention()
     else:
@@ -289,6 +292,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
 
     out, aux = flex(q, k, v, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
     return rescale_by_sinks(out, aux.lse, sinks)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA: causal without ``mask``, else with the boolean ``mask``; ``sinks`` as an extra key."""
+    if sinks is not None:
+        from torchtitan.models.common.attention_sinks import sdpa_with_sinks
+
+        return sdpa_with_sinks(q, k, v, mask, sinks, scale)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def validate_mask_settings(args: Any) -> None:

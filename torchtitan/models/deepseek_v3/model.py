@@ -33,6 +33,9 @@ class Attention(nn.Module):
     wq_b``); keys/values from the latent ``wkv_a -> kv_norm -> wkv_b``; the rope part of the
     key (``qk_rope_head_dim``, taken from ``wkv_a``) is shared by all heads."""
 
+    sdpa_backend: Any = None
+    """The SDPA kernel this run forces; None: PyTorch's (``tools/attention_kernels.py``)."""
+
     def __init__(self, args: DeepSeekV3ModelArgs):
         super().__init__()
         self.q_lora_rank = args.q_lora_rank
@@ -85,12 +88,13 @@ class Attention(nn.Module):
         kv = self.wkv_b(self.kv_norm(kv)).view(bs, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        out = _attend(q, k, v, self.softmax_scale, attention_mask)
+        out = _attend(q, k, v, self.softmax_scale, attention_mask, self.sdpa_backend)
         return self.wo(out.reshape(bs, seqlen, -1))
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Any = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Any = None,
+    backend: Any = None,
 ) -> torch.Tensor:
     """Attention (causal, or with a mask from ``document_mask``) on ``[B, S, H, D]`` tensors
     whose value head dim may differ from the query's: the narrower side is zero-padded (exact:
@@ -101,7 +105,8 @@ def _attend(
         v = F.pad(v, (0, qk_dim - v_dim))
     elif qk_dim < v_dim:
         q, k = F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim))
-    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale)
+    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale,
+                 backend=backend)
     return out.transpose(1, 2)[..., :v_dim]
 
 
