@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.components.adamw_bf16_state import check_state_dtype
 from torchtitan.components.chunked_loss import check_loss_settings
 from torchtitan.components.converters import check_converters
 from torchtitan.components.fault_tolerance.layout import data_layout
@@ -232,6 +233,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     check_validation_seq_len(cfg.validation, model_args)
     check_loss_settings(cfg.training)
     check_early_step(cfg, parallel_dims)
+    check_state_dtype(cfg.optimizer)
     _check_model_shapes(cfg, parallel_dims, spec, model_args)
     return RunPlan(
         parallel_dims=parallel_dims,

@@ -17,6 +17,9 @@ from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
+_KERNEL_KEYS = ("fused", "foreach")
+"""Param-group keys that choose the kernel: the run's config sets them, not a checkpoint."""
+
 
 def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     """Constructor kwargs for ``cfg.name`` (lr, betas, eps, weight decay, kernel choice)."""
@@ -35,6 +38,18 @@ def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     return kwargs
 
 
+def optimizer_class(cfg: OptimizerConfig) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and its constructor kwargs for ``cfg`` (``state_dtype="bfloat16"``:
+    :class:`~torchtitan.components.adamw_bf16_state.AdamBF16State`)."""
+    _check_name(cfg)
+    if cfg.state_dtype == "bfloat16":
+        from torchtitan.components.adamw_bf16_state import AdamBF16State
+
+        kwargs = {k: v for k, v in optimizer_kwargs(cfg).items() if k not in _KERNEL_KEYS}
+        return AdamBF16State, {**kwargs, "decoupled_weight_decay": cfg.name == "AdamW"}
+    return _OPTIMIZERS[cfg.name], optimizer_kwargs(cfg)
+
+
 class OptimizersContainer(Stateful):
     """One optimizer per model part; stepped, zeroed and checkpointed together.
 
@@ -43,10 +58,8 @@ class OptimizersContainer(Stateful):
     """
 
     def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig) -> None:
-        _check_name(cfg)
         self.model_parts = model_parts
-        cls = _OPTIMIZERS[cfg.name]
-        kwargs = optimizer_kwargs(cfg)
+        cls, kwargs = optimizer_class(cfg)
         self.optimizers: list[torch.optim.Optimizer] = []
         for part in model_parts:
             params = [p for p in part.parameters() if p.requires_grad]
@@ -83,12 +96,19 @@ class OptimizersContainer(Stateful):
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # A checkpoint's kernel choice (e.g. from a run with other optimizer.state_dtype or
+        # implementation) would replace this run's: keep this run's.
+        kernels = [[{k: g[k] for k in _KERNEL_KEYS if k in g} for g in opt.param_groups]
+                   for opt in self.optimizers]
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt, aliases in zip(self.model_parts, self._per_part, self.fqn_aliases):
             back = {saved: own for own, saved in aliases.items()}
             set_optimizer_state_dict(
                 part, opt, optim_state_dict=_renamed(state_dict, back), options=opts
             )
+        for opt, groups in zip(self.optimizers, kernels):
+            for group, keys in zip(opt.param_groups, groups):
+                group.update(keys)
 
 
 def _renamed(flat_state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
@@ -122,6 +142,8 @@ def _groups_by_mesh(params: list[nn.Parameter]) -> list[dict[str, Any]]:
 def _construct(cls: type, params: list, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
     """Build the optimizer; a fused kernel the device lacks falls back to foreach."""
     try:
+        if kwargs.get("fused"):
+            _check_fused(params)  # torch checks devices only at the first step
         return cls(params, **kwargs)
     except RuntimeError as err:
         if not kwargs.get("fused"):
@@ -131,6 +153,15 @@ def _construct(cls: type, params: list, kwargs: dict[str, Any]) -> torch.optim.O
         warn_once(f"fused optimizer unavailable here ({err}); using foreach")
         fallback = {k: v for k, v in kwargs.items() if k != "fused"}
         return cls(params, foreach=True, **fallback)
+
+
+def _check_fused(params: list) -> None:
+    """Raise torch's RuntimeError if a parameter's device or dtype has no fused kernel."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    for item in params:
+        for p in item["params"] if isinstance(item, dict) else [item]:
+            _device_dtype_check_for_fused(p)
 
 
 def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:

@@ -31,12 +31,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.optimizer import (
-    _OPTIMIZERS,
     OptimizersContainer,
-    _check_name,
     _construct,
     build_optimizers,
-    optimizer_kwargs,
+    optimizer_class,
 )
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
@@ -50,8 +48,7 @@ def build_optimizers_in_backward(
     ``early_step_in_backward``; else the usual container."""
     if not cfg.early_step_in_backward:
         return build_optimizers(model_parts, cfg)
-    _check_name(cfg)
-    return OptimizersInBackwardContainer(model_parts, _OPTIMIZERS[cfg.name], optimizer_kwargs(cfg))
+    return OptimizersInBackwardContainer(model_parts, *optimizer_class(cfg))
 
 
 def check_early_step(cfg: Any, parallel_dims: Any, has_moe: bool = False) -> None:

@@ -157,6 +157,12 @@ class Optimizer:
     early_step_in_backward: bool = False
     """Step the optimizer per parameter during backward to free gradients early (no clipping)."""
 
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of Adam's exp_avg / exp_avg_sq. bfloat16 halves the optimizer state (8 -> 4 bytes
+    per parameter) and cuts the step's memory traffic from 28 to 20 bytes per parameter, for
+    rounding the stored moments to bfloat16 (8 significant bits) after each step; the update
+    math and the parameters stay float32. Needs beta1, beta2 <= 0.996 and implementation fused."""
+
     override_checkpoint_lr: bool = False
     """On resume, use this config's lr as the peak lr instead of the one saved in the checkpoint."""
 
