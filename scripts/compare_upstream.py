@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--settings", help=f"comma separated, of {','.join(SETTINGS)}")
     p.add_argument("--repeats", type=int, default=1, help="runs per side and setting")
+    p.add_argument("--ours-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run this project with FLAGS added (e.g. 'logits=--training."
+                   "loss_implementation logits', to measure one lever); a row per variant")
     p.add_argument("--run-timeout", type=float, default=300, help="seconds per trainer run")
     p.add_argument("--out", type=Path, help="write the markdown table (for docs/performance.md)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -110,7 +114,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} leaves no logged step of --steps {args.steps}")
     args.target = args.target or args.work_dir / "site"
+    args.variants = {}
+    for spec in args.ours_variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip().isidentifier() or not flags.strip():
+            p.error(f"--ours-variant {spec!r}: expected NAME=FLAGS, e.g. "
+                    "'logits=--training.loss_implementation logits'")
+        args.variants[name.strip()] = shlex.split(flags)
     return args
+
+
+def sides(args, repeat: int) -> list[str]:
+    """The runs of one setting and repeat in order: ours, each ``ours:VARIANT``, upstream
+    (reversed on odd repeats)."""
+    order = ["ours", *(f"ours:{v}" for v in args.variants), "upstream"]
+    return order if repeat % 2 == 0 else order[::-1]
 
 
 def common_flags(args, flavor: str, dump: Path) -> list[str]:
@@ -133,16 +151,17 @@ def _pythonpath(*paths: Path) -> str:
 def build_run(args, side: str, name: str, repeat: int) -> tuple[list[str], dict, Path]:
     """(command, environment, working folder) of one trainer run."""
     s = SETTINGS[name]
-    dump = args.work_dir / "dumps" / f"{side}_{name}_{repeat}"
+    dump = args.work_dir / "dumps" / f"{side.replace(':', '-')}_{name}_{repeat}"
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
                PYTHONUNBUFFERED="1")
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    if side == "ours":
+    if side.startswith("ours"):
         env.update(NGPU="1", PYTHON=sys.executable,
                    PYTHONPATH=_pythonpath(args.target, REPO_ROOT / "scripts", REPO_ROOT))
-        cmd = ["./run_train.sh", *common_flags(args, args.flavor, dump), *s.ours]
+        variant = args.variants[side.split(":", 1)[1]] if ":" in side else []
+        cmd = ["./run_train.sh", *common_flags(args, args.flavor, dump), *s.ours, *variant]
         return cmd, env, REPO_ROOT
     scratch = args.work_dir / "scratch"
     env["PYTHONPATH"] = _pythonpath(args.work_dir / "upstream", args.target, scratch)
@@ -210,7 +229,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def run_one(args, side: str, name: str, repeat: int):
     """Run one trainer; its summary, or the one-line reason it failed."""
     cmd, env, cwd = build_run(args, side, name, repeat)
-    log_path = args.work_dir / "logs" / f"{side}_{name}_{repeat}.log"
+    log_path = args.work_dir / "logs" / f"{side.replace(':', '-')}_{name}_{repeat}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
@@ -302,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             sorted(p.name for p in args.fetch_wheels.glob("*.whl"))))
         return 0
     runs = [(side, name, r) for name in args.settings for r in range(args.repeats)
-            for side in (("ours", "upstream") if r % 2 == 0 else ("upstream", "ours"))]
+            for side in sides(args, r)]
     commands = {f"{side} {name}": _shown(*build_run(args, side, name, 0))
                 for side, name, r in runs if r == 0}
     if args.dry_run:
@@ -326,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failures.append(why)
             failed.add((side, name))
-    rows = [(SETTINGS[n].label, report.combine(results.get(("ours", n), [])),
-             report.combine(results.get(("upstream", n), []))) for n in args.settings]
+    rows = [(SETTINGS[n].label + (f" [{side.split(':', 1)[1]}]" if ":" in side else ""),
+             report.combine(results.get((side, n), [])),
+             report.combine(results.get(("upstream", n), [])))
+            for n in args.settings for side in sides(args, 0)[:-1]]
     table = report.markdown_table(rows, setup.UPSTREAM_VERSION)
     meta = dict(device=info["name"], torch=info["torch"], ours=ours_version(),
                 upstream=f"torchtitan {setup.UPSTREAM_VERSION}", warmup=args.warmup,
