@@ -8,6 +8,10 @@ the second one with optimizer state) under torch's memory tracker
 
 What is counted: parameters (sharded and all-gathered), gradients, optimizer state,
 activations (after activation checkpointing), temporaries, collective buffers, inputs.
+Optimizer state is the real optimizer's: with ``optimizer.state_dtype = "bfloat16"`` its two
+moments take 4 bytes per parameter instead of 8; that step runs eagerly here, with two float32
+temporaries the size of the parameter being stepped (three for Adam with weight decay), which
+the compiled CUDA step does not make.
 What is not: the CUDA context and NCCL workspaces (~0.5-1.5 GiB per GPU), caching-allocator
 fragmentation (reserved memory is typically 5-20 % above active), and kernels' workspaces.
 Attention is traced with the CPU SDPA kernel, whose saved tensors match flash attention's.
