@@ -207,3 +207,18 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert "upstream_cpu_shim.py" in data["commands"]["upstream bf16"]
     assert "torchtitan version: 0.2.2" in (tmp_path / "logs/upstream_bf16_0.log").read_text()
     assert "| bf16, AC none |" in (tmp_path / "table.md").read_text()
+
+
+def test_ours_variant_adds_flags_and_a_run_per_setting(cu, tmp_path, capsys):
+    args = cu.parse_args(["--work-dir", str(tmp_path), "--ours-variant",
+                          "logits=--training.loss_implementation logits", "--repeats", "2"])
+    assert cu.sides(args, 0) == ["ours", "ours:logits", "upstream"]
+    assert cu.sides(args, 1) == ["upstream", "ours:logits", "ours"]
+    base = cu.build_run(args, "ours", "float8", 0)[0]
+    variant = cu.build_run(args, "ours:logits", "float8", 0)[0]
+    assert variant[-2:] == ["--training.loss_implementation", "logits"]
+    assert [f.replace("ours-logits_", "ours_") for f in variant[:-2]] == base
+    with pytest.raises(SystemExit) as e:
+        cu.parse_args(["--ours-variant", "no flags here"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --ours-variant 'no flags here': expected")
