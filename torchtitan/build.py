@@ -196,8 +196,10 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
     loss_fn = spec.build_loss_fn(compile_loss, cfg.compile.backend)
 
     logger.info(f"Building {cfg.model.name} {cfg.model.flavor} with {model_args}")
-    # The SDPA kernel, timed on this rank's attention shape before any memory is taken.
-    sdpa_backend = resolve_attention_backend(cfg, parallel_dims, model_args, device)
+    # The SDPA kernel, timed on this rank's attention shape before any memory is taken (dry
+    # runs compute no values: PyTorch's choice, nothing timed).
+    sdpa_backend = (resolve_attention_backend(cfg, parallel_dims, model_args, device)
+                    if comm_mode.computes_values else None)
     with comm_mode.model_build():
         with torch.device("meta"):
             model = spec.model_cls(model_args)

@@ -443,3 +443,18 @@ def test_cuda_compiled_block_with_forced_kernel_gives_eager_numbers(name):
     torch._dynamo.reset()
     out = torch.compile(attn, backend="inductor", fullgraph=True)(x, freqs)
     torch.testing.assert_close(out, eager, atol=2e-2, rtol=2e-2)
+
+
+def test_dry_runs_switch_a_forced_kernel_to_auto(caplog):
+    """A COMM_MODE dry run checks shapes, not kernels: a GPU-only kernel must not stop it on
+    the CPU (the plan would refuse cudnn there)."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.distributed.comm_mode.base import prepare_dry_run as comm_dry_run
+    from torchtitan.plan import plan_run
+
+    job = ConfigManager().parse_args(["--model.attention_backend", "cudnn"])
+    with caplog.at_level(logging.INFO):
+        comm_dry_run(job, "COMM_MODE=fake_backend", "shapes only")
+    assert job.model.attention_backend == "auto"
+    assert "model.attention_backend cudnn -> auto" in caplog.text
+    plan_run(job, 8, device_type="cpu")  # now plannable here

@@ -118,6 +118,9 @@ def prepare_dry_run(job_config: JobConfig, label: str, why: str,
     from torchtitan.tools.device import device_type
 
     changed = converters_dry_run(job_config, device_type)
+    if job_config.model.attention_backend != "auto":
+        changed.append(f"model.attention_backend {job_config.model.attention_backend} -> auto")
+        job_config.model.attention_backend = "auto"
     if changed:
         logger.info(f"{label}: {', '.join(changed)} (a dry run checks shapes, not kernels)")
     lr = job_config.lr_scheduler
