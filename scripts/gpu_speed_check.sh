@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The speed issue's GPU measurements as prepared runs for one H100 (each phase under 10 minutes):
+#
+#   scripts/gpu_speed_check.sh WHEELS OUT harness   # ~7 min: ours vs upstream, bf16 + float8,
+#                                                   # plus ours with the levers off, same run
+#   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~3 min: the loss path alone at Llama 3 8B's
+#                                                   # output shape; the memory estimate vs the GPU
+#
+# WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
+# machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
+# installed into $WORK/site once and put on PYTHONPATH. OUT gets one log per step and
+# summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
+set -u
+wheels=${1:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
+out=${2:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
+phase=${3:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+work=${WORK:-/tmp/compare_upstream}
+py=$(command -v python3 || command -v python)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
+# The levers at their defaults (auto) against the same build with them off: the plain
+# logits loss and PyTorch's usual SDPA kernel on Hopper (flash).
+LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash"
+
+step() {  # step NAME SECONDS COMMAND...: run, keep its log, note exit code and seconds
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+    return $rc
+}
+
+case $phase in
+harness)
+    step harness 560 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        --settings bf16,float8 --ours-variant "levers_off=$LEVERS_OFF" --out "$out/table.md"
+    cat "$out/table.md" >>"$out/summary.txt" 2>/dev/null
+    grep -h "attention kernel\|Loss: " "$work"/logs/ours_*.log | sed 's/.* - INFO - //' \
+        | sort -u >>"$out/summary.txt"
+    ;;
+levers)
+    # the extra wheels (never upstream's torchtitan) into the harness's shared folder
+    "$py" -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; import \
+compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'))" \
+        >"$out/install.log" 2>&1 || { echo "error: installing $wheels failed; see $out/install.log" >&2; exit 2; }
+    export PYTHONPATH="$PWD:$work/site:$PWD/scripts"
+    step loss_path 240 "$py" scripts/benchmark_loss.py --device cuda --tokens 8192 --dim 4096 \
+        --vocab 128256 --dtype bfloat16 --compile --chunk 8192
+    tail -6 "$out/loss_path.log" | head -5 >>"$out/summary.txt"
+    step memory 300 "$py" scripts/estimate_memory.py --job.config_file train_configs/llama3_8b.toml \
+        --world-size 8 --compare-real
+    tail -8 "$out/memory.log" >>"$out/summary.txt"
+    ;;
+*)
+    echo "error: unknown phase '$phase' (harness or levers)" >&2
+    exit 2
+    ;;
+esac
+cat "$out/summary.txt"
