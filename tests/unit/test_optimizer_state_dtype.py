@@ -420,3 +420,21 @@ def test_fsdp2_on_two_gloo_ranks_equals_one_rank_and_resumes(tmp_path):
     torch.testing.assert_close(two["loss"], one["loss"], **TOL)
     assert resumed["first_step"] == [3]
     assert resumed["loss"] == two["loss"][2:]  # bitwise
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_step_matches_the_cpu_one():
+    import torchtitan.components.adamw_bf16_state as module
+
+    cpu, gpu = _model(), _model().cuda()
+    _train(cpu, build_optimizers([cpu], Optimizer(**BF16)), 3)
+    opts = build_optimizers([gpu], Optimizer(**BF16))
+    for step in range(3):
+        x, y = _batch(step)
+        opts.zero_grad()
+        (gpu(x.cuda()) - y.cuda()).square().mean().backward()
+        opts.step()
+    assert module._compiled_step is not None  # the compiled path ran
+    for p, q in zip(cpu.parameters(), gpu.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=0, atol=5e-4)  # bf16 rounding flips
+        assert opts.optimizers[0].state[q]["exp_avg"].dtype == torch.bfloat16
