@@ -77,7 +77,7 @@ def measure(args) -> dict:
     labels = torch.randint(0, args.vocab, (args.tokens,), device=device, generator=g)
     results = {}
     for name, fn in _paths(args, h, w, labels).items():
-        def step():
+        def step(fn=fn):
             h.grad = w.grad = None
             (fn() / args.tokens).backward()
 
