@@ -160,7 +160,8 @@ class CheckpointManager:
         if self.enable and not cfg.load_only:
             space.check_writable(self.folder)
             self.lock.acquire()  # one writer per folder (lock.py)
-            space.warn_if_short(self.folder, space.checkpoint_bytes(self.model))
+            space.warn_if_short(self.folder, space.checkpoint_bytes(
+                self.model, state_itemsize=space.optimizer_state_itemsize(optimizers)))
 
     # --- configuration ---------------------------------------------------------------------
     def _parse_exclude(self, raw: list[str] | str) -> list[str]:

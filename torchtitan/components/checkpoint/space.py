@@ -43,19 +43,33 @@ def check_writable(folder: str) -> None:
     agree(error)
 
 
-def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES) -> int:
-    """Estimated size of one full checkpoint of ``model`` (all ranks, all pipeline stages)."""
+def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES,
+                     state_itemsize: int | None = None) -> int:
+    """Estimated size of one full checkpoint of ``model`` (all ranks, all pipeline stages):
+    each weight plus ``optimizer_copies`` tensors of its shape, in ``state_itemsize`` bytes
+    per element (None: the weight's own, as torch's Adam keeps them)."""
     mine: dict[str, int] = {}
     for part in model.model_parts:
         for name, p in part.named_parameters():
-            mine[name] = p.numel() * p.element_size()  # a DTensor's numel is the global one
+            state = optimizer_copies * (state_itemsize or p.element_size())
+            mine[name] = p.numel() * (p.element_size() + state)  # DTensor: the global numel
     merged: dict[str, Any] = dict(mine)
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         for d in everyone:
             merged.update(d or {})
-    return int(sum(merged.values()) * (1 + optimizer_copies))
+    return int(sum(merged.values()))
+
+
+def optimizer_state_itemsize(optimizers: Any) -> int | None:
+    """Bytes per element of the optimizers' moments when they are not the weights' dtype
+    (``optimizer.state_dtype``), else None."""
+    for opt in getattr(optimizers, "optimizers", None) or ():
+        dtype = getattr(opt, "state_dtype", None)
+        if dtype is not None:
+            return dtype.itemsize
+    return None
 
 
 def warn_if_short(folder: str, estimate: int) -> None:
