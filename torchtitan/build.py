@@ -204,8 +204,10 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         converters.convert(model)  # float8 / mx: on meta, before parallelize_fn
+        # A dry run or memory estimate (no values computed) plans the GPU run it stands for.
+        loss_device = device.type if comm_mode.computes_values else "cuda"
         loss_in_model = choose_loss_path(
-            cfg.training.loss_implementation, cfg.training.loss_chunk_size, device.type, model,
+            cfg.training.loss_implementation, cfg.training.loss_chunk_size, loss_device, model,
             family_loss=not _shared_loss(spec),
             tp_logits_replicated=parallel_dims.tp_enabled
             and cfg.parallelism.disable_loss_parallel,
