@@ -83,7 +83,7 @@ def test_fsdp_units_and_default_reshard(shard_calls):
         (["Embedding"], True),
         (["TransformerBlock"], True),
         (["TransformerBlock"], False),  # last block: backward needs it first
-        (["RMSNorm", "Linear"], False),  # norm + output together, kept for backward
+        (["RMSNorm", "OutputHead"], False),  # norm + output together, kept for backward
         (["Transformer"], True),
     ]
     mp = shard_calls[0][2]["mp_policy"]
@@ -113,7 +113,7 @@ def test_pipeline_stage_without_embeddings(shard_calls):
     apply_fsdp(stage, get_fsdp_mesh(dims), torch.bfloat16, torch.float32, pp_enabled=True)
     assert [(m, r) for m, r, _ in shard_calls] == [
         (["TransformerBlock"], False),
-        (["RMSNorm", "Linear"], False),
+        (["RMSNorm", "OutputHead"], False),
         (["Transformer"], False),
     ]
     assert shard_calls[0][2]["mp_policy"].param_dtype == torch.bfloat16

@@ -53,7 +53,12 @@ def build(job, name="llama3", flavor="debugmodel_tiny", seed=0, device="meta"):
 
 
 def linear_types(model: nn.Module) -> dict[str, str]:
-    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """Module name -> class name of every Linear ("Linear" for the decoder's output head: a
+    plain Linear that can also compute the loss)."""
+    from torchtitan.models.common.decoder import OutputHead
+
+    return {n: "Linear" if type(m) is OutputHead else type(m).__name__
+            for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 # ----------------------------------------------------------------------------- names, refusals
