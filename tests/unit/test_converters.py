@@ -414,3 +414,16 @@ def test_emulated_mx_moe_experts_run_grouped_gemms_in_mxfp8():
     assert 1e-4 < rel < 0.1, rel
     out_mx.float().square().mean().backward()
     assert mx.moe.experts.w1.grad is not None
+
+
+def test_float8_without_output_in_the_filter_converts_the_output_head():
+    """The decoder's output head (a Linear with the chunked-loss path) converts like any Linear
+    when ``filter_fqns`` leaves it in; the chunked loss then steps aside (docs/performance.md)."""
+    from torchtitan.components.chunked_loss import choose_loss_path
+
+    job = cfg("--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns", "")
+    model = build(job)
+    assert linear_types(model)["output"] == "Float8Linear"
+    assert choose_loss_path("auto", 64, "cuda", model, False, False) is False
+    with pytest.raises(ValueError, match="the output projection is a Float8Linear"):
+        choose_loss_path("chunked", 64, "cuda", model, False, False)

@@ -108,9 +108,11 @@ def plan_linears(model: nn.Module, filter_fqns: list[str], recipe: str = "tensor
         from torchao.float8 import _auto_filter_for_recipe
 
         auto = _auto_filter_for_recipe(recipe, filter_fqns=fqns)
+    from torchtitan.models.common.decoder import OutputHead  # a plain Linear too
+
     convert, skipped = set(), {}
     for fqn, mod in model.named_modules():
-        if type(mod) is not nn.Linear:
+        if type(mod) not in (nn.Linear, OutputHead):  # not already converted
             continue
         out_features, in_features = mod.weight.shape
         if any(f in fqn for f in fqns):
