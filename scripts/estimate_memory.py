@@ -14,6 +14,22 @@ built and parallelized for real on a fake process group and stepped twice on fak
   --rank R                 which rank plays (default 0; ranks differ only with uneven shards)
   --real                   real tensors instead of fake ones (= memory_estimation.disable_fake_mode)
   --json                   also print one JSON object per estimate (machine-readable)
+  --compare-real           also run the same rank for real on this machine's device (real
+                           tensors, fake process group, the same steps) and print the
+                           estimate against its measured peak: one table line per figure
+                           (estimate; real allocated peak; real reserved peak; error in GiB
+                           and %) and what each figure includes, then one JSON line. On CUDA
+                           the figures are torch.cuda.max_memory_allocated / _reserved over the
+                           steps; on the CPU a stand-in (the CPU allocator's live bytes, from
+                           torch.profiler), for small flavors only. See
+                           torchtitan/tools/memory_compare.py and docs/performance.md ("Memory
+                           estimate against a real GPU peak"). On one H100 (compile off; well under 5 minutes):
+                             python scripts/estimate_memory.py --job.config_file \\
+                                 train_configs/llama3_8b.toml --world-size 8 --compare-real \\
+                                 --training.local_batch_size 1 --training.seq_len 8192 \\
+                                 --activation_checkpoint.mode selective
+  --steps N                training steps estimated and measured (default 2: the second one
+                           holds optimizer state)
 """
 
 from __future__ import annotations
@@ -39,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--real", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--compare-real", "--compare_real", action="store_true")
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("-h", "--help", action="store_true")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.help:
@@ -47,14 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     init_logger()
     known_warnings.install()  # torch's harmless warnings: one line each, as in training
     job_config = parse_args_or_exit(rest)
+    if ours.steps < 1:
+        print(f"error: --steps must be at least 1 (got {ours.steps})", file=sys.stderr)
+        return 2
     code = 0
     for world_size in ours.world_size:
         try:
+            if ours.compare_real:
+                _compare(job_config, world_size, ours)
+                continue
             est = estimate_memory(
-                job_config, world_size, rank=ours.rank, fake=False if ours.real else None
+                job_config, world_size, rank=ours.rank, fake=False if ours.real else None,
+                steps=ours.steps,
             )
         except (ValueError, RuntimeError) as err:
-            print(f"error: world size {world_size}: {err}", file=sys.stderr)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"error: world size {world_size}: {first}", file=sys.stderr)
             code = 2
             continue
         print(est.format() + f"\n  (estimated in {est.seconds:.1f} s)", flush=True)
@@ -71,6 +97,25 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": round(est.seconds, 1),
             }), flush=True)
     return code
+
+
+def _compare(job_config, world_size: int, ours: argparse.Namespace) -> None:
+    """The estimate against the real peak of the same rank on this machine (--compare-real)."""
+    from torchtitan.tools.memory_compare import compare_memory
+
+    result = compare_memory(
+        job_config, world_size, rank=ours.rank, steps=ours.steps,
+        fake_estimate=False if ours.real else None,
+    )
+    print(result.format(), flush=True)
+    print(json.dumps({
+        "config": job_config.job.config_file,
+        "flavor": job_config.model.flavor,
+        "local_batch_size": job_config.training.local_batch_size,
+        "seq_len": job_config.training.seq_len,
+        "activation_checkpoint": job_config.activation_checkpoint.mode,
+        **result.as_json(),
+    }), flush=True)
 
 
 if __name__ == "__main__":

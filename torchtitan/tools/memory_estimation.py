@@ -14,6 +14,11 @@ temporaries the size of the parameter being stepped (three for Adam with weight 
 the compiled CUDA step does not make.
 What is not: the CUDA context and NCCL workspaces (~0.5-1.5 GiB per GPU), caching-allocator
 fragmentation (reserved memory is typically 5-20 % above active), and kernels' workspaces.
+Nor is FSDP2's reduce-scatter input of the group reduced last, which FSDP2 keeps until the next
+group reduces (float32, the group's unsharded size): when the peak falls there (e.g. selective
+AC, in the last block's backward, after the output layer's gradient was reduced) the real peak
+is higher by about ``vocab x dim x 4`` bytes. ``scripts/estimate_memory.py --compare-real``
+measures the estimate against a real-tensor run of the same rank (docs/performance.md).
 Attention is traced with the CPU SDPA kernel, whose saved tensors match flash attention's.
 Expert parallel: expert weights are counted as the shards each rank holds (``E / ep`` experts,
 FSDP-sharded over ``dp_shard_mod_ep``) and only those are all-gathered; the token all-to-all is
@@ -32,6 +37,7 @@ import gc
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,6 +153,66 @@ def _peak_of(snapshot: dict) -> tuple[int, dict[str, int]]:
     return peak, breakdown
 
 
+def prepare_config(job_config: JobConfig, steps: int = 2) -> JobConfig:
+    """A copy of ``job_config`` as an estimate runs it: eager (no compile), writing nothing,
+    at least ``steps`` steps, ``memory_budget`` AC counted as none (warned)."""
+    cfg = copy.deepcopy(job_config)
+    if cfg.compile.enable:
+        logger.warning("memory estimation runs without torch.compile (compile.enable ignored)")
+    if cfg.activation_checkpoint.mode == "memory_budget":
+        logger.warning(
+            "memory estimation counts activation_checkpoint.mode='memory_budget' as no AC: "
+            "the budget acts inside torch.compile, which the estimate does not run (an upper "
+            "bound)"
+        )
+        cfg.activation_checkpoint.mode = "none"
+    # An estimate writes nothing and measures the training step only.
+    cfg.compile.enable = cfg.checkpoint.enable = cfg.validation.enable = False
+    cfg.metrics.enable_tensorboard = cfg.metrics.enable_wandb = False
+    cfg.job.print_config, cfg.job.save_config_file = False, None
+    cfg.training.steps = max(cfg.training.steps, steps)
+    return cfg
+
+
+def parallelism_of(cfg: JobConfig, world_size: int) -> str:
+    """The layout as one line (``dp_shard=8, ...``); refuses pipeline parallel (ValueError)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if parallel_dims.pp_enabled:
+        raise ValueError(
+            "memory estimation does not support pipeline parallel "
+            "(parallelism.pipeline_parallel_degree > 1)"
+        )
+    return str(parallel_dims).replace("ParallelDims", "").strip("()")
+
+
+@contextlib.contextmanager
+def fake_backend_run(
+    cfg: JobConfig, world_size: int, rank: int, fake: bool, steps: int
+) -> Iterator[tuple[Any, Any, list]]:
+    """``build_run`` of ``cfg`` as ``rank`` of ``world_size`` on a fake process group, with
+    fake tensors on the CPU or (``fake=False``) real ones on this machine's device; yields
+    ``(run, mode, batches)`` (``steps`` input batches already on the device) and removes the
+    process group after."""
+    from torchtitan.build import build_run
+    from torchtitan.distributed.comm_mode import FakeBackend
+    from torchtitan.tools.device import device_type
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_memory needs a process without a process group")
+    device = torch.device("cpu") if fake else torch.device(device_type)
+    mode = FakeBackend(world_size, rank, fake_tensors=fake, label="memory estimation")
+    try:
+        run = build_run(cfg, mode, device=device)
+        loader = iter(run.dataloader)
+        yield run, mode, [tuple(t.to(device) for t in next(loader)) for _ in range(steps)]
+    finally:
+        mode.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def estimate_memory(
     job_config: JobConfig,
     world_size: int,
@@ -163,42 +229,14 @@ def estimate_memory(
     ``memory_estimation.disable_fake_mode``. Raises ValueError for what it cannot estimate
     (pipeline parallel) and ParallelismError for impossible layouts.
     """
-    from torchtitan.build import build_run
-    from torchtitan.distributed.comm_mode import FakeBackend
-    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.step import compute_gradients, optimizer_step
-    from torchtitan.tools.device import device_type
 
     start = time.perf_counter()
-    cfg = copy.deepcopy(job_config)
     if fake is None:
-        fake = not cfg.memory_estimation.disable_fake_mode
-    if cfg.compile.enable:
-        logger.warning("memory estimation runs without torch.compile (compile.enable ignored)")
-    if cfg.activation_checkpoint.mode == "memory_budget":
-        logger.warning(
-            "memory estimation counts activation_checkpoint.mode='memory_budget' as no AC: "
-            "the budget acts inside torch.compile, which the estimate does not run (an upper "
-            "bound)"
-        )
-        cfg.activation_checkpoint.mode = "none"
-    # An estimate writes nothing and measures the training step only.
-    cfg.compile.enable = cfg.checkpoint.enable = cfg.validation.enable = False
-    cfg.metrics.enable_tensorboard = cfg.metrics.enable_wandb = False
-    cfg.job.print_config, cfg.job.save_config_file = False, None
-    cfg.training.steps = max(cfg.training.steps, steps)
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if parallel_dims.pp_enabled:
-        raise ValueError(
-            "memory estimation does not support pipeline parallel "
-            "(parallelism.pipeline_parallel_degree > 1)"
-        )
-    if dist.is_initialized():
-        raise RuntimeError("estimate_memory needs a process without a process group")
-    device = torch.device("cpu") if fake else torch.device(device_type)
-    mode = FakeBackend(world_size, rank, fake_tensors=fake, label="memory estimation")
-    try:
-        run = build_run(cfg, mode, device=device)
+        fake = not job_config.memory_estimation.disable_fake_mode
+    cfg = prepare_config(job_config, steps)
+    parallelism = parallelism_of(cfg, world_size)
+    with fake_backend_run(cfg, world_size, rank, fake, steps) as (run, mode, batches):
         model = run.model_parts[0]
         tracker = _tracker_for(model, run.optimizers.optimizers[0])
         if run.optimizers.steps_in_backward:
@@ -207,8 +245,6 @@ def estimate_memory(
                 "optimizer.early_step_in_backward (one per parameter) most optimizer state is "
                 "counted as Temp (the peak is the same)"
             )
-        loader = iter(run.dataloader)
-        batches = [tuple(t.to(device) for t in next(loader)) for _ in range(steps)]
         step_peaks = []
         # Trackers must see the fake tensors from inside the fake mode (as the step does).
         with mode.step(), _untracked_sharding_propagation(), tracker:
@@ -222,17 +258,13 @@ def estimate_memory(
                 tracker.reset_mod_stats()  # per-module stats only; the peak is kept
                 gc.collect()
         peak, breakdown = _peak_of(tracker.get_tracker_snapshot("peak"))
-    finally:
-        mode.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return MemoryEstimate(
         world_size=world_size,
         rank=rank,
         peak_bytes=peak,
         breakdown=breakdown,
         step_peak_bytes=step_peaks,
-        parallelism=str(parallel_dims).replace("ParallelDims", "").strip("()"),
+        parallelism=parallelism,
         fake=fake,
         seconds=time.perf_counter() - start,
     )
