@@ -98,6 +98,41 @@ def test_cpu_table_is_marked_as_a_stand_in():
     assert js["error_reserved_gib"] is None and js["error_allocated_pct"] == 10.0
 
 
+def test_cuda_meter_resets_when_the_steps_begin_and_keeps_each_steps_peak(monkeypatch):
+    """The CUDA meter's bookkeeping, on a scripted allocator: peaks are reset after
+    ``empty_cache()`` when the steps begin and after each step; the result is the largest."""
+    calls: list[str] = []
+    stats = {"allocated": 5, "max_allocated": [30, 42], "max_reserved": [36, 46]}
+
+    def record(name, value=None):
+        def fn(*args):
+            calls.append(name)
+            return value() if callable(value) else value
+        return fn
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", record("synchronize"))
+    monkeypatch.setattr(cuda, "empty_cache", record("empty_cache"))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", record("reset"))
+    monkeypatch.setattr(cuda, "memory_allocated", record("allocated", stats["allocated"]))
+    monkeypatch.setattr(cuda, "max_memory_allocated",
+                        record("max_allocated", lambda: stats["max_allocated"].pop(0)))
+    monkeypatch.setattr(cuda, "max_memory_reserved",
+                        record("max_reserved", lambda: stats["max_reserved"].pop(0)))
+    monkeypatch.setattr(cuda, "mem_get_info", record("mem_get_info", (30, 80)))
+    monkeypatch.setattr(cuda, "get_device_name", record("name", "GPU"))
+    with memory_compare._CudaPeak() as meter:
+        assert calls == ["synchronize", "empty_cache", "reset", "allocated"]
+        meter.step_done()
+        meter.step_done()
+    result = meter.result()
+    assert calls[4:12] == ["synchronize", "max_allocated", "max_reserved", "reset"] * 2
+    assert (result.allocated_peak_bytes, result.reserved_peak_bytes) == (42, 46)
+    assert result.step_peak_bytes == [30, 42] and result.held_at_start_bytes == 5
+    assert (result.device_used_bytes, result.device_total_bytes) == (50, 80)
+    assert not result.stand_in and result.device_name == "GPU"
+
+
 @cpu_only
 def test_cpu_stand_in_counts_allocator_bytes_with_resizes():
     """The stand-in follows the allocator: a storage freed by ``resize_(0)`` and grown again
