@@ -5,15 +5,17 @@
 #                                                   # plus ours with the levers off, same run
 #   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~3 min: the loss path alone at Llama 3 8B's
 #                                                   # output shape; the memory estimate vs the GPU
+#   scripts/gpu_speed_check.sh WHEELS OUT optim     # ~4 min: bf16 (only) with the opt-in bf16
+#                                                   # optimizer state as a variant
 #
 # WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
 # machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
 # installed into $WORK/site once and put on PYTHONPATH. OUT gets one log per step and
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
 set -u
-wheels=${1:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
-out=${2:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
-phase=${3:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers}
+wheels=${1:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
+out=${2:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
+phase=${3:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 work=${WORK:-/tmp/compare_upstream}
@@ -51,11 +53,18 @@ compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'
         --vocab 128256 --dtype bfloat16 --compile --chunk 8192
     tail -6 "$out/loss_path.log" | head -5 >>"$out/summary.txt"
     step memory 300 "$py" scripts/estimate_memory.py --job.config_file train_configs/llama3_8b.toml \
-        --world-size 8 --compare-real
-    tail -8 "$out/memory.log" >>"$out/summary.txt"
+        --world-size 8 --compare-real --training.local_batch_size 1 --training.seq_len 8192 \
+        --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op
+    grep -v "^\[" "$out/memory.log" | tail -12 >>"$out/summary.txt"
+    ;;
+optim)
+    step optim 560 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        --settings bf16 --ours-variant "bf16_state=--optimizer.state_dtype bfloat16" \
+        --out "$out/table_optim.md"
+    cat "$out/table_optim.md" >>"$out/summary.txt" 2>/dev/null
     ;;
 *)
-    echo "error: unknown phase '$phase' (harness or levers)" >&2
+    echo "error: unknown phase '$phase' (harness, levers or optim)" >&2
     exit 2
     ;;
 esac
