@@ -422,10 +422,16 @@ def test_cuda_auto_picks_the_fastest_correct_kernel_in_one_line(caplog):
         backend = resolve_attention_backend(cfg, plan.parallel_dims, plan.model_args, GPU)
     lines = [r.getMessage() for r in caplog.records if "attention kernel" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith("override with --model.attention_backend")
+    if backend is None:  # compiled FlexAttention was fastest: the model is switched to it
+        assert plan.model_args.use_flex_attn is True
+        assert lines[0].startswith("attention kernel: FlexAttention (compiled) for causal "
+                                   "[2, 16, 2048, 16] bf16")
+        return
     assert backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                        SDPBackend.EFFICIENT_ATTENTION)
     name = next(k for k, v in ak.BACKENDS.items() if v == backend)
     assert lines[0].startswith(f"attention kernel: SDPA {name} for causal [2, 16, 2048, 16] bf16")
+    assert "flex" in lines[0]  # timed too
 
 
 @requires_cuda
@@ -458,3 +464,60 @@ def test_dry_runs_switch_a_forced_kernel_to_auto(caplog):
     assert job.model.attention_backend == "auto"
     assert "model.attention_backend cudnn -> auto" in caplog.text
     plan_run(job, 8, device_type="cpu")  # now plannable here
+
+
+# --- auto also times compiled FlexAttention ---------------------------------------------------------
+def _auto_on_cuda(monkeypatch, chosen: str, *flags: str):
+    """resolve_attention_backend as on a GPU, with select_kernel replaced by a recorder that
+    returns ``chosen``; (the return value, the model args, the candidate names)."""
+    seen = {}
+
+    def fake_select(shape, device, candidates=None, timer=None, reduce=None):
+        seen["names"] = list(candidates)
+        outcomes = [ak.Outcome(name, ms=1.0 if name == chosen else 2.0) for name in candidates]
+        return ak.Selection(shape, outcomes, chosen)
+
+    monkeypatch.setattr(ak, "select_kernel", fake_select)
+    monkeypatch.setattr(ak, "flex_supported", lambda device: True)
+    cfg = cfg_of(*flags)
+    plan = plan_run(cfg, 1, device_type="cpu")
+    got = resolve_attention_backend(cfg, plan.parallel_dims, plan.model_args, GPU)
+    return got, plan.model_args, seen["names"]
+
+
+def test_auto_switches_the_model_to_flex_when_flex_is_fastest(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        got, args, names = _auto_on_cuda(monkeypatch, ak.FLEX)
+    assert names == [*ak.AUTO_CANDIDATES, ak.FLEX]
+    assert got is None and args.use_flex_attn is True
+    assert "attention kernel: FlexAttention (compiled) for causal" in caplog.text
+
+
+def test_auto_keeps_sdpa_when_an_sdpa_kernel_is_fastest(monkeypatch):
+    got, args, _ = _auto_on_cuda(monkeypatch, "cudnn")
+    assert got is SDPBackend.CUDNN_ATTENTION and not args.use_flex_attn
+
+
+def test_flex_is_no_candidate_when_the_config_says_no(monkeypatch):
+    _, args, names = _auto_on_cuda(monkeypatch, "cudnn", "--model.no_use_flex_attn")
+    assert ak.FLEX not in names and args.use_flex_attn is False
+
+
+def test_flex_candidate_is_causal_attention():
+    """The timed FlexAttention kernel computes the model's causal attention (forward: the CPU
+    has no FlexAttention backward), grouped-query heads included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 16, generator=g)
+    k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(2))
+    with torch.no_grad():
+        got = ak.flex_kernel_fn(CPU)(q, k, v, None, n_rep=2)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_is_no_candidate_under_context_parallel():
+    cfg = cfg_of()
+    dims = type("Dims", (), {"cp": 2})()
+    assert not ak.flex_is_candidate(cfg, dims, GPU)
+    assert not ak.flex_is_candidate(cfg, type("Dims", (), {"cp": 1})(), CPU)

@@ -116,15 +116,17 @@ class Model:
     attend only within their own document of a packed sequence (split at BOS/EOS)."""
 
     use_flex_attn: bool | None = None
-    """FlexAttention kernel on GPUs (on CPU: SDPA with the same mask); None: the flavor's."""
+    """FlexAttention kernel on GPUs (on CPU: SDPA with the same mask); None: the flavor's, or
+    compiled FlexAttention where attention_backend=auto times it fastest (CUDA, no CP)."""
 
     sliding_window_size: int | None = None
     """Attend to at most this many positions back; None: the flavor's (unlimited)."""
 
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """SDPA kernel of the causal and boolean-mask attention (FlexAttention stays chosen by
-    use_flex_attn). auto: on CUDA, the fastest kernel that matches the math kernel, timed once
-    at start-up on this run's attention shape (one log line); elsewhere PyTorch's choice.
+    """SDPA kernel of the causal and boolean-mask attention. auto: on CUDA, the fastest kernel
+    that matches the math kernel, timed once at start-up on this run's attention shape (one log
+    line), compiled FlexAttention among them when use_flex_attn is unset and context parallel
+    is off; elsewhere PyTorch's choice.
     flash / cudnn / efficient / math: that kernel only, refused in one line where it cannot run."""
 
     print_after_conversion: bool = False

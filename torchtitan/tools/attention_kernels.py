@@ -6,13 +6,15 @@ config shows the device cannot run (:func:`check_attention_backend`); the build 
 once on this run's attention shape and refuses it in one line if it fails or disagrees with the
 math kernel.
 
-``auto``: on CUDA, once per process at build time, each fused kernel (cuDNN, flash, efficient)
-runs forward+backward on random inputs of the per-rank attention shape
+``auto``: on CUDA, once per process at build time, each fused kernel (cuDNN, flash, efficient,
+and compiled FlexAttention where the config leaves ``use_flex_attn`` unset and context parallel
+is off) runs forward+backward on random inputs of the per-rank attention shape
 (:func:`run_attention_shape`), is checked against the math kernel (:func:`check_kernel`) and
 timed with CUDA events; the fastest correct one is kept (the same on every rank: times are
 max-reduced over the ranks) and named in one info line. Elsewhere ``auto`` is PyTorch's own
 choice, untouched. The choice reaches the model as the ``sdpa_backend`` attribute of its
-attention modules (:func:`set_attention_backend`).
+attention modules (:func:`set_attention_backend`); FlexAttention as ``use_flex_attn`` on the
+model args, set before the model is built.
 
 The timer, the candidates and the cross-rank reduction can be injected (tests).
 """
@@ -59,6 +61,8 @@ BACKENDS: dict[str, SDPBackend] = {
 }
 AUTO_CANDIDATES = ("cudnn", "flash", "efficient")
 """What ``auto`` times on CUDA (math is the reference, never the fastest at training shapes)."""
+FLEX = "flex"
+"""``auto``'s name for compiled FlexAttention (a causal ``BlockMask`` of the shape)."""
 CPU_BACKENDS = ("flash", "math")
 """The SDPA kernels PyTorch has for the CPU."""
 
@@ -180,6 +184,29 @@ def check_attention_backend(backend: str, model_args: Any, *, compute_dtype: str
 def sdpa_kernel_fn(backend: SDPBackend) -> Kernel:
     """The model's attention (``attend``) forced to ``backend``."""
     return functools.partial(attend, backend=backend)
+
+
+def flex_kernel_fn(device: torch.device) -> Kernel:
+    """The model's FlexAttention path (compiled on CUDA) with a causal ``BlockMask`` per shape."""
+    from torchtitan.models.common.document_mask import block_mask, mask_mod
+
+    masks: dict[tuple[int, int], Any] = {}
+
+    def kernel(q, k, v, mask=None, n_rep=1, sinks=None):
+        key = (q.shape[2], k.shape[2])
+        if key not in masks:
+            masks[key] = block_mask(mask_mod(None, None), None, *key, device,
+                                    compiled=device.type == "cuda")
+        return attend(q, k, v, masks[key], n_rep=n_rep, sinks=sinks)
+
+    return kernel
+
+
+def flex_is_candidate(cfg: Any, parallel_dims: Any, device: torch.device) -> bool:
+    """``auto`` also times FlexAttention: on CUDA, ``model.use_flex_attn`` left to the flavor
+    (not set either way) and no context parallel (its causal path is ring attention)."""
+    return (device.type == "cuda" and flex_supported(device)
+            and cfg.model.use_flex_attn is None and parallel_dims.cp == 1)
 
 
 def _inputs(shape: AttentionShape, device: torch.device, dtype: torch.dtype,
@@ -343,7 +370,8 @@ class Selection:
             detail = ", ".join(others)
         else:
             best = next(o for o in self.outcomes if o.name == self.chosen)
-            head = f"SDPA {self.chosen} for {self.shape.label()} (fwd+bwd {best.ms:.2f} ms"
+            kind = "FlexAttention (compiled)" if self.chosen == FLEX else f"SDPA {self.chosen}"
+            head = f"{kind} for {self.shape.label()} (fwd+bwd {best.ms:.2f} ms"
             detail = "; " + ", ".join(others) if others else ""
         return f"attention kernel: {head}{detail}); override with --model.attention_backend"
 
@@ -375,7 +403,9 @@ def resolve_attention_backend(cfg: Any, parallel_dims: Any, model_args: Any,
                               reduce: Callable[[list[float]], list[float]] | None = None,
                               ) -> SDPBackend | None:
     """The run's SDPA kernel (None: PyTorch chooses), logged in one line. A forced kernel
-    that fails or disagrees with math on this run's shape is a ValueError (one line)."""
+    that fails or disagrees with math on this run's shape is a ValueError (one line). When
+    ``auto`` finds compiled FlexAttention fastest, it sets ``model_args.use_flex_attn`` (call
+    before the model is built) and returns None."""
     name = cfg.model.attention_backend
     if name == "auto" and device.type != "cuda":
         return None  # PyTorch's own choice, as always
@@ -385,8 +415,14 @@ def resolve_attention_backend(cfg: Any, parallel_dims: Any, model_args: Any,
         return None
     shape = run_attention_shape(cfg, parallel_dims, model_args)
     if name == "auto":
-        selection = select_kernel(shape, device, timer=timer, reduce=reduce)
+        candidates: dict[str, Kernel] = {n: sdpa_kernel_fn(BACKENDS[n]) for n in AUTO_CANDIDATES}
+        if flex_is_candidate(cfg, parallel_dims, device):
+            candidates[FLEX] = flex_kernel_fn(device)
+        selection = select_kernel(shape, device, candidates, timer=timer, reduce=reduce)
         logger.info(selection.log_line())
+        if selection.chosen == FLEX:
+            model_args.use_flex_attn = True
+            return None
         return BACKENDS[selection.chosen] if selection.chosen is not None else None
     if device.type == "cuda":
         timer = timer or _default_timer
