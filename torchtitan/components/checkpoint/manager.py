@@ -36,6 +36,7 @@ from torchtitan.components.checkpoint.guard import SaveGuard
 from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
 from torchtitan.components.checkpoint.load import LoadPlan, load_dcp, plan_load, refuse_fresh_start
 from torchtitan.components.checkpoint.lock import FolderLock
+from torchtitan.components.checkpoint.messages import seed_flags, setup_line
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.interrupts import uninterruptible
@@ -155,7 +156,8 @@ class CheckpointManager:
                 "checkpoint holds it"
             )
         if self.enable:
-            self._log_setup()
+            setup_line(self.config, self.folder, self.async_mode, self.sd_adapter,
+                       self.model.model_parts)
         self.lock = FolderLock(self.folder, writer_id)
         if self.enable and not cfg.load_only:
             space.check_writable(self.folder)
@@ -166,33 +168,6 @@ class CheckpointManager:
     # --- configuration ---------------------------------------------------------------------
     def _parse_exclude(self, raw: list[str] | str) -> list[str]:
         return parse_exclude(raw, [MODEL, *self.states])
-
-    def _log_setup(self) -> None:
-        cfg = self.config
-        if rank() != 0:
-            return
-        if cfg.create_seed_checkpoint:
-            return
-        if cfg.load_only:
-            logger.info(f"Checkpoint: load_only: loading from {self.folder} if possible, never saving")
-            return
-        extras = []
-        if cfg.enable_first_step_checkpoint:
-            extras.append("also after step 1")
-        if cfg.last_save_model_only:
-            extras.append(f"final save model-only in {cfg.export_dtype}")
-        if cfg.last_save_in_hf:
-            extras.append("final save also as HF safetensors")
-            ahead = not cfg.last_save_in_hf_allow_lossy and hf.lossy_export_ahead(
-                self.sd_adapter, self.model.model_parts
-            )
-            if ahead:
-                logger.warning(f"Checkpoint: {ahead}")
-        logger.info(
-            f"Checkpoint: saving to {self.folder}/step-N every {cfg.interval} steps, "
-            f"async_mode={self.async_mode}, keep_latest_k={cfg.keep_latest_k or 'all'}"
-            + (f" ({'; '.join(extras)})" if extras else "")
-        )
 
     # --- saving ----------------------------------------------------------------------------
     @property
@@ -332,23 +307,8 @@ class CheckpointManager:
         self.saver.save_sync(0, self._model_state(), info)
         logger.info(
             f"Checkpoint: seed checkpoint written to {path}; start runs from it with "
-            f"{self._seed_flags()} (any parallel layout, resharded on load)"
+            f"{seed_flags(self.folder, self.config)} (any parallel layout, resharded on load)"
         )
-
-    def _seed_flags(self) -> str:
-        """The flags a run needs to find this folder's seed checkpoint: ``--checkpoint.enable``,
-        plus the dump folder / checkpoint folder when they are not the defaults."""
-        from torchtitan.config.job_config import Checkpoint as CheckpointDefaults
-        from torchtitan.config.job_config import Job
-
-        flags = ["--checkpoint.enable"]
-        if not os.path.isabs(self.config.folder):  # else the dump folder plays no part
-            dump = self.folder[: -len(self.config.folder)].rstrip("/") or "."
-            if os.path.normpath(dump) != os.path.normpath(Job().dump_folder):
-                flags.append(f"--job.dump_folder {dump}")
-        if self.config.folder != CheckpointDefaults().folder:
-            flags.append(f"--checkpoint.folder {self.config.folder}")
-        return " ".join(flags)
 
     # --- loading ---------------------------------------------------------------------------
     def load(self, step: int = -1) -> bool:
