@@ -95,6 +95,20 @@ class RunParts:
 
 
 
+def hf_state_dict_adapter(run: RunParts) -> Any | None:
+    """The model's HF state-dict adapter (None: it has none). HF exports get the flavor's
+    context length as max_position_embeddings, not this run's training.seq_len."""
+    import copy
+
+    spec, cfg = run.model_spec, run.job_config
+    if spec.state_dict_adapter is None:
+        return None
+    args = copy.copy(run.model_args)
+    if hasattr(args, "max_seq_len"):
+        args.max_seq_len = spec.get_model_args(cfg.model.flavor).max_seq_len
+    return spec.state_dict_adapter(args, cfg.model.hf_assets_path)
+
+
 def _shared_loss(spec: ModelSpec) -> bool:
     """The family uses the shared cross-entropy (not a loss of its own)."""
     from torchtitan.components.loss import build_cross_entropy_loss

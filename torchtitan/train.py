@@ -7,19 +7,23 @@ import torchtitan.tools.interrupts  # noqa: F401
 
 # isort: split
 
-import copy
 import gc
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.build import build_run
+from torchtitan.build import build_run, hf_state_dict_adapter
 from torchtitan.components.fault_tolerance.layout import split_group_outputs
+from torchtitan.components.fault_tolerance.trainer_wiring import (
+    SEMI_SYNC_KEY,
+    build_fault_tolerance,
+    semi_sync_optimizer_step,
+)
 from torchtitan.components.finite_check import FiniteCheck, StepFigures, non_finite_message
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
@@ -31,14 +35,18 @@ from torchtitan.preflight import USER_ERRORS
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
-from torchtitan.tools.error_file import record_error
+from torchtitan.tools.error_file import (
+    is_out_of_memory,
+    is_peer_failure,
+    record_error,
+    report_error,
+)
 from torchtitan.tools.interrupts import INTERRUPTED, end_as_interrupted, under_torchrun
 from torchtitan.tools.lifecycle import Preempted, Preemption, die_with_launcher
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 
 FT_KEY = "fault_tolerance"
-SEMI_SYNC_KEY = "fault_tolerance_semi_sync"
 
 
 class TrainingError(RuntimeError):
@@ -103,15 +111,15 @@ class Trainer(Stateful):
             states={"train_state": self},
             checkpoint_config=cfg.checkpoint,
             dump_folder=cfg.job.dump_folder,
-            sd_adapter=self._hf_adapter(),
+            sd_adapter=hf_state_dict_adapter(run),
             writer_id=f"replica_{cfg.fault_tolerance.replica_id}" if cfg.fault_tolerance.enable else "",
             tokenizer=run.tokenizer,
         )
         self.validator = build_validator(run) if cfg.validation.enable else None
         self._data_iterator_stale = False
-        self.ft = self._build_fault_tolerance() if cfg.fault_tolerance.enable else None
+        self.ft = build_fault_tolerance(self) if cfg.fault_tolerance.enable else None
         self._step_optimizer = (
-            self._semi_sync_step(run)
+            semi_sync_optimizer_step(self, lambda: optimizer_step(run))
             if self.ft is not None and self.ft.semi_sync
             else lambda: optimizer_step(run)
         )
@@ -123,63 +131,6 @@ class Trainer(Stateful):
             f"Training on {device_type} x{world_size}: {run.parallel_dims}; local batch "
             f"{t.local_batch_size}, global batch {run.global_batch_size} (gradient accumulation "
             f"{self.gradient_accumulation_steps}), seq_len {t.seq_len}, {t.steps} steps"
-        )
-
-    def _hf_adapter(self) -> Any | None:
-        """The model's HF state-dict adapter (None: it has none). HF exports get the flavor's
-        context length as max_position_embeddings, not this run's training.seq_len."""
-        spec, cfg = self.run.model_spec, self.job_config
-        if spec.state_dict_adapter is None:
-            return None
-        args = copy.copy(self.run.model_args)
-        if hasattr(args, "max_seq_len"):
-            args.max_seq_len = spec.get_model_args(cfg.model.flavor).max_seq_len
-        return spec.state_dict_adapter(args, cfg.model.hf_assets_path)
-
-    def _build_fault_tolerance(self) -> Any:
-        """torchft's manager for this rank; a rejoining group receives this trainer's live
-        state, and in synchronous mode the gradients are averaged over the groups."""
-        from torchtitan.components.fault_tolerance import FaultTolerance
-        from torchtitan.components.fault_tolerance.live_state import (
-            LiveState,
-            OptimizerLiveState,
-            StateWithout,
-        )
-
-        group_rank = dist.get_rank() if dist.is_initialized() else 0
-        group_size = dist.get_world_size() if dist.is_initialized() else 1
-        ft = FaultTolerance(self.job_config.fault_tolerance, group_rank, group_size)
-        parts = {
-            "model": torch.nn.ModuleList(self.model_parts),
-            "optimizer": OptimizerLiveState(self.optimizers),
-            "lr_scheduler": self.lr_schedulers,
-            "dataloader": self.dataloader,
-            # torchft sends DiLoCo's own state to a rejoining group itself
-            "train_state": StateWithout(self, SEMI_SYNC_KEY),
-        }
-        ft.register_live_state(LiveState(parts, after_load=self._peer_state_loaded))
-        if not ft.semi_sync:
-            self.run.after_backward.append(
-                ft.sync_gradients_hook(
-                    self.model_parts, self.run.moe_layers,
-                    lambda: dist_utils.scalar_value(self.run.step_tokens),
-                )
-            )
-        return ft
-
-    def _semi_sync_step(self, run: Any) -> Callable[[], Any]:
-        """The optimizer step inside LocalSGD / DiLoCo (DiLoCo's fragments are cut from the
-        whole model's units: with pipeline parallelism, those of every stage)."""
-        from torchtitan.components.fault_tolerance.fragments import model_units
-
-        stages = run.pipeline.layout.fqns_per_stage if run.pipeline is not None else None
-        n_layers = run.model_args.n_layers
-        units = model_units(self.model_parts, stages, n_layers)
-        tied = getattr(run.model_args, "tie_word_embeddings", False)
-        return self.ft.wrap_optimizer_step(
-            self.model_parts, lambda: optimizer_step(run), units, n_layers,
-            after_sync=self._weights_replaced,
-            tied_units=("tok_embeddings", "output") if tied else (),
         )
 
     def _weights_replaced(self) -> None:
@@ -444,21 +395,6 @@ class Trainer(Stateful):
                 self.ft.load_semi_sync_state_dict(state_dict[SEMI_SYNC_KEY])
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    """torch's CUDA OOM, or the CPU allocator failing (e.g. a large COMM_MODE=local_tensor)."""
-    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
-
-
-def _peer_failure(err: BaseException) -> bool:
-    """A collective failed because another rank went away (it reports its own error)."""
-    if not dist.is_initialized():
-        return False
-    text = str(err)
-    return isinstance(err, dist.DistError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the config, train, and return the process exit code.
 
@@ -485,17 +421,17 @@ def main(argv: list[str] | None = None) -> int:
             # it; torchtitan.launch then ends as interrupted.
             code = 0 if under_torchrun() else INTERRUPTED
     except USER_ERRORS as err:
-        code = _report(err, 2)
+        code = report_error(err, 2)
     except TrainingError as err:
-        code = _report(err, 1)
+        code = report_error(err, 1)
     except Exception as err:
-        if _out_of_memory(err):
+        if is_out_of_memory(err):
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            code = _report(
+            code = report_error(
                 f"out of memory ({first}); lower training.local_batch_size or training.seq_len, "
                 "turn on activation checkpointing, or spread the model over more ranks", 1,
             )
-        elif _peer_failure(err):
+        elif is_peer_failure(err):
             line = " ".join(str(err).split())[:300]
             logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")
             code = 1
@@ -509,13 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         if code == 0:
             dist_utils.shutdown_distributed()
         dist_utils.hard_exit(code)
-    return code
-
-
-def _report(err: BaseException | str, code: int) -> int:
-    message = " ".join(str(err).split())
-    logger.error(f"error: {message}")
-    record_error(message, code)
     return code
 
 

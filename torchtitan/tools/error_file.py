@@ -2,7 +2,8 @@
 
 torchrun gives each rank ``TORCHELASTIC_ERROR_FILE``; its failure summary reads the file, and
 ``torchtitan.launch`` prints the first such line when the console did not show it (the rank is
-not in ``LOG_RANK``). Kept free of heavy imports: any module may report through it.
+not in ``LOG_RANK``). Kept free of heavy imports at module level: any module may report
+through it. Also the entry point's classification of failures (out of memory, a peer gone).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import os
 import time
 
-__all__ = ["TRAINER_MARK", "record_error"]
+__all__ = ["TRAINER_MARK", "is_out_of_memory", "is_peer_failure", "record_error", "report_error"]
 
 TRAINER_MARK = "torchtitan"
 """Key of the trainer's own entry in a rank's error file."""
@@ -33,3 +34,32 @@ def record_error(message: str, exit_code: int) -> None:
             json.dump(data, f)
     except OSError:
         pass  # the rank's own log still has the line
+
+
+def report_error(err: BaseException | str, code: int) -> int:
+    """Log ``err`` as one ``error:`` line, record it for torchrun, and return ``code``."""
+    from torchtitan.tools.logging import logger
+
+    message = " ".join(str(err).split())
+    logger.error(f"error: {message}")
+    record_error(message, code)
+    return code
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch's CUDA OOM, or the CPU allocator failing (e.g. a large COMM_MODE=local_tensor)."""
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """A collective failed because another rank went away (it reports its own error)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
