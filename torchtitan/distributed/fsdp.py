@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
 )
 
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.utils import embeddings_tied
 from torchtitan.tools.logging import logger
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -103,22 +104,12 @@ def _submodule(model: nn.Module, name: str) -> nn.Module | None:
     return getattr(model, name, None)
 
 
-def _is_tied(model: nn.Module) -> bool:
-    emb, out = _submodule(model, "tok_embeddings"), _submodule(model, "output")
-    return (
-        emb is not None
-        and out is not None
-        and getattr(emb, "weight", None) is not None
-        and emb.weight is getattr(out, "weight", None)
-    )
-
-
 def _units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module], Any]:
     """The data-parallel units below the root, shared by FSDP and replicate:
     ``(tok_embeddings, blocks, norm + output)``. Embeddings and tail are None when missing
     (pipeline stages) or tied (one weight cannot belong to two units: the root takes it);
     the tail is one module or the ``[norm, output]`` pair."""
-    tied = _is_tied(model)
+    tied = embeddings_tied(model)
     emb = _submodule(model, "tok_embeddings")
     layers = _submodule(model, "layers")
     blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])

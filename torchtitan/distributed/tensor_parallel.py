@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchtitan.distributed.parallel_dims import ParallelismError
+from torchtitan.distributed.utils import embeddings_tied
 from torchtitan.tools.logging import logger
 
 
@@ -284,7 +285,7 @@ class WithShardedParameters(ParallelStyle):
 def apply_non_block_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     """:func:`non_block_tp_plan` on the parts ``model`` has (a pipeline stage may lack some);
     tied input/output embeddings stay tied, and the embedding's output is waited for."""
-    tied = _is_tied(model)
+    tied = embeddings_tied(model)
     fused_loss = getattr(getattr(model, "output", None), "fuse_loss", False)
     plan = {
         name: style
@@ -320,11 +321,6 @@ def _backend(mesh: DeviceMesh) -> str:
         return str(dist.get_backend(mesh.get_group()))
     except (RuntimeError, ValueError):
         return ""
-
-
-def _is_tied(model: nn.Module) -> bool:
-    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    return emb is not None and out is not None and emb.weight is out.weight
 
 
 def check_async_tp(compile_model: bool, device_type: str) -> None:

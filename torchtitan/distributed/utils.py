@@ -292,3 +292,11 @@ def clip_grad_norm_(
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
+
+
+def embeddings_tied(model: torch.nn.Module) -> bool:
+    """``model`` (or a pipeline stage of it) holds both ``tok_embeddings`` and ``output`` and
+    they share one weight."""
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    weight = getattr(emb, "weight", None)
+    return weight is not None and out is not None and weight is getattr(out, "weight", None)

@@ -156,6 +156,17 @@ class Dropped:
     message: str
 
 
+def require_moe_settings(moe_args: Any, required: dict[str, Any], hf_name: str) -> None:
+    """One-line ValueError for the first MoE setting (``moe_args`` field -> the value HF's
+    architecture fixes) that HF ``hf_name`` cannot express."""
+    for name, hf_value in required.items():
+        value = getattr(moe_args, name)
+        if value != hf_value:
+            raise ValueError(
+                f"moe {name}={value!r} cannot be expressed in HF {hf_name} (which has {hf_value!r})"
+            )
+
+
 def routing_bias_dropped(hf_lacks: str) -> Dropped:
     """The MoE load-balancing bias that HF's model (``hf_lacks`` says how) routes without."""
     return Dropped(

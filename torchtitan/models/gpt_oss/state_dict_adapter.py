@@ -33,6 +33,7 @@ from torchtitan.models.common.hf_adapter import (
     canonical_key,
     fill,
     layer_keys,
+    require_moe_settings,
     routing_bias_dropped,
 )
 from torchtitan.models.common.moe import MoEArgs
@@ -167,21 +168,11 @@ def hf_config_from_model_args(args: GptOssModelArgs, dtype: str = "float32") -> 
 
 def _check_hf_moe(m: MoEArgs) -> None:
     """HF gpt-oss: biased router, softmax over the top-k logits, biased clamped-SwiGLU experts."""
-    required = {
-        "num_shared_experts": (m.num_shared_experts, 0),
-        "score_func": (m.score_func, "softmax"),
-        "route_norm": (m.route_norm, True),
-        "route_scale": (m.route_scale, 1.0),
-        "num_expert_groups": (m.num_expert_groups, None),
-        "router_bias": (m.router_bias, True),
-        "expert_linear_bias": (m.expert_linear_bias, True),
-        "expert_activation": (m.expert_activation, "clamped_swiglu"),
-    }
-    for name, (value, hf_value) in required.items():
-        if value != hf_value:
-            raise ValueError(
-                f"moe {name}={value!r} cannot be expressed in HF gpt-oss (which has {hf_value!r})"
-            )
+    require_moe_settings(m, {
+        "num_shared_experts": 0, "score_func": "softmax", "route_norm": True, "route_scale": 1.0,
+        "num_expert_groups": None, "router_bias": True, "expert_linear_bias": True,
+        "expert_activation": "clamped_swiglu",
+    }, "gpt-oss")
 
 
 class GptOssStateDictAdapter(HFStateDictAdapter):

@@ -28,6 +28,7 @@ from torchtitan.models.common.hf_adapter import (
     TOP_KEYS,
     HFStateDictAdapter,
     layer_keys,
+    require_moe_settings,
     routing_bias_dropped,
     swiglu,
 )
@@ -121,17 +122,8 @@ def hf_config_from_model_args(args: Qwen3ModelArgs, dtype: str = "float32") -> d
 
 def _check_hf_moe(m: MoEArgs) -> None:
     """HF Qwen3-MoE routes with softmax, top-k, optional renormalisation, nothing else."""
-    unsupported = {
-        "num_shared_experts": (m.num_shared_experts, 0),
-        "score_func": (m.score_func, "softmax"),
-        "route_scale": (m.route_scale, 1.0),
-        "num_expert_groups": (m.num_expert_groups, None),
-    }
-    for name, (value, hf_value) in unsupported.items():
-        if value != hf_value:
-            raise ValueError(
-                f"moe {name}={value!r} cannot be expressed in HF Qwen3-MoE (which has {hf_value!r})"
-            )
+    require_moe_settings(m, {"num_shared_experts": 0, "score_func": "softmax", "route_scale": 1.0,
+                             "num_expert_groups": None}, "Qwen3-MoE")
 
 
 class Qwen3StateDictAdapter(HFStateDictAdapter):
