@@ -158,19 +158,32 @@ def compute_gradients(
         if run.optimizers.steps_in_backward:  # stepped already: the norms its hooks took
             grad_norm = dist_utils.total_norm(run.optimizers.take_grad_norms())
         else:
+            max_norm = run.job_config.training.max_norm
+            # Clipping inside the fused optimizer step saves a pass over every gradient.
+            in_step = max_norm > 0 and clip_in_step(run)
             grad_norm = dist_utils.clip_grad_norm_(
                 [p for m in run.model_parts for p in m.parameters()],
-                run.job_config.training.max_norm,
+                0.0 if in_step else max_norm,
                 foreach=True,
                 pp_mesh=run.parallel_dims.get_mesh("pp"),
                 exclude_from_norm=run.pipeline.norm_duplicates() if run.pipeline is not None else (),
             )
+            if in_step:
+                run.optimizers.set_grad_divisor(dist_utils.clip_divisor(grad_norm, max_norm))
     if not run.comm_mode.computes_values:
         return math.nan, math.nan
     loss = dist_utils.all_reduce_scalar(local_loss / n_loss_ranks, "sum", loss_mesh)
     if run.pipeline is not None:  # only last-stage ranks hold it; the others add 0
         loss = dist_utils.all_reduce_scalar(loss, "sum", run.pipeline.pp_mesh)
     return loss, grad_norm
+
+
+def clip_in_step(run: RunParts) -> bool:
+    """Gradient clipping happens inside the optimizer step (``optimizer.clip_in_step`` and
+    optimizers that can: torch's fused Adam/AdamW) rather than as a rescale of every gradient.
+    Not on fake tensors (dry runs and estimates count the plain path's memory)."""
+    return (run.job_config.optimizer.clip_in_step and run.comm_mode.computes_values
+            and run.optimizers.clips_in_step)
 
 
 def optimizer_step(run: RunParts) -> dict[str, torch.Tensor]:

@@ -80,9 +80,29 @@ class OptimizersContainer(Stateful):
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
-    def step(self) -> None:
+    @property
+    def clips_in_step(self) -> bool:
+        """Every optimizer is torch's fused Adam/AdamW, which can divide the gradients by a
+        device scalar inside its kernel (``grad_scale``, AMP's unscale): clipping then costs
+        no pass of its own over the gradients (:meth:`set_grad_divisor`)."""
+        return bool(self.optimizers) and all(
+            getattr(opt, "_step_supports_amp_scaling", False)
+            and all(g.get("fused") for g in opt.param_groups)
+            for opt in self.optimizers
+        )
+
+    def set_grad_divisor(self, divisor: torch.Tensor) -> None:
+        """The next :meth:`step` uses ``gradient / divisor`` (a 0-dim float32 device tensor)."""
         for opt in self.optimizers:
-            opt.step()
+            opt.grad_scale = divisor
+
+    def step(self) -> None:
+        try:
+            for opt in self.optimizers:
+                opt.step()
+        finally:
+            for opt in self.optimizers:
+                opt.grad_scale = None
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

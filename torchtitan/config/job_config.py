@@ -156,6 +156,12 @@ class Optimizer:
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (falls back to foreach where unsupported), foreach or for-loop."""
 
+    clip_in_step: bool = True
+    """Clip gradients (training.max_norm) inside the fused Adam/AdamW step, dividing each
+    gradient by the clip factor as the kernel reads it, instead of rescaling every gradient
+    first: one pass over the gradients fewer, the same update up to float rounding (bitwise the
+    same while nothing is clipped). Other implementations rescale the gradients."""
+
     early_step_in_backward: bool = False
     """Step the optimizer per parameter during backward to free gradients early (no clipping)."""
 

@@ -294,6 +294,14 @@ def clip_grad_norm_(
     return total
 
 
+def clip_divisor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients are divided by to clip them to ``max_norm`` given their norm ``total``:
+    the reciprocal of torch's clip coefficient ``min(max_norm / (total + 1e-6), 1)`` (exactly
+    1 when nothing is clipped), as a 0-dim float32 tensor."""
+    coef = (max_norm / (total.float() + 1e-6)).clamp(max=1.0)
+    return 1.0 / coef
+
+
 def embeddings_tied(model: torch.nn.Module) -> bool:
     """``model`` (or a pipeline stage of it) holds both ``tok_embeddings`` and ``output`` and
     they share one weight."""

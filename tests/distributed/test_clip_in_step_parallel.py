@@ -1,0 +1,59 @@
+"""Clipping inside the fused AdamW step (``optimizer.clip_in_step``) under FSDP2, TP2 and PP2
+on two gloo ranks equals one device rescaling the gradients (``--optimizer.no_clip_in_step``),
+from one seed checkpoint, with a max_norm that clips every step: the divisor is the global
+norm's (over every mesh and stage), and DTensor parameters take it in the fused kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launcher import launch
+from tests.distributed.trainer_runs import NORM_TOL, TOL, from_seed, run_sequence, seed_args
+
+pytestmark = pytest.mark.slow  # launches gloo ranks
+
+# eps near the clipped gradients' size: Adam's update then depends on the clip factor (with a
+# tiny eps the factor cancels in m / sqrt(v), and a wrong one would not show)
+FUSED = ["--optimizer.implementation", "fused", "--training.max_norm", "0.05",
+         "--optimizer.eps", "1e-3"]
+ONE_BATCH = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
+TWO_RANKS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp2": [*ONE_BATCH, "--parallelism.tensor_parallel_degree", "2"],
+    "pp2": [*ONE_BATCH, "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
+    root = tmp_path_factory.mktemp("clip_in_step")
+    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
+    _, rescale, in_step = launch(run_sequence, 1, [
+        seed_args(str(root / "seed")),
+        from_seed(seed_dir, str(root / "rescale"), *FUSED, "--optimizer.no_clip_in_step"),
+        from_seed(seed_dir, str(root / "one"), *FUSED),
+    ], timeout_s=300)[0]
+    out = {"rescale": rescale, "one": [in_step]}
+    argvs = [from_seed(seed_dir, str(root / name), *FUSED, *flags)
+             for name, flags in TWO_RANKS.items()]
+    per_rank = launch(run_sequence, 2, argvs, timeout_s=600)
+    for i, name in enumerate(TWO_RANKS):
+        out[name] = [rank[i] for rank in per_rank]
+    return out
+
+
+def test_every_step_clips(runs):
+    assert min(runs["rescale"]["grad_norm"]) > 0.05
+
+
+@pytest.mark.parametrize("layout", ["one", *TWO_RANKS])
+def test_clip_in_step_matches_rescaling(layout, runs):
+    reference = runs["rescale"]
+    for rank, run in enumerate(runs[layout]):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(
+                run[key], reference[key], **(TOL if key == "loss" else NORM_TOL),
+                msg=lambda m, k=key, r=rank: f"{layout} rank {r} {k}: {m}",
+            )
