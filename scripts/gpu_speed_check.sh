@@ -21,9 +21,9 @@ mkdir -p "$out"
 work=${WORK:-/tmp/compare_upstream}
 py=$(command -v python3 || command -v python)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
-# The levers at their defaults (auto) against the same build with them off: the plain
-# logits loss and PyTorch's usual SDPA kernel on Hopper (flash).
-LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash"
+# The levers at their defaults against the same build with them off: the plain logits loss,
+# PyTorch's usual SDPA kernel on Hopper (flash), clipping by rescaling every gradient.
+LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step"
 
 step() {  # step NAME SECONDS COMMAND...: run, keep its log, note exit code and seconds
     local name=$1 limit=$2 start rc
