@@ -12,6 +12,7 @@
 # machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
 # installed into $WORK/site once and put on PYTHONPATH. OUT gets one log per step and
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
+# SMOKE=1 runs the same plumbing on the CPU at toy sizes (no figure is a measurement).
 set -u
 wheels=${1:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
 out=${2:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
@@ -24,6 +25,18 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disa
 # The levers at their defaults against the same build with them off: the plain logits loss,
 # PyTorch's usual SDPA kernel on Hopper (flash), clipping by rescaling every gradient.
 LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step"
+if [[ ${SMOKE:-0} == 1 ]]; then
+    SETTINGS=(--device cpu --settings bf16) OPTIM_SETTINGS=(--device cpu --settings bf16)
+    LOSS_SHAPE=(--device cpu) MEMORY_CONFIG=(train_configs/debug_model.toml)
+    LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step"
+else
+    SETTINGS=(--settings bf16,float8) OPTIM_SETTINGS=(--settings bf16)
+    LOSS_SHAPE=(--device cuda --tokens 8192 --dim 4096 --vocab 128256 --dtype bfloat16 --compile
+                --chunk 8192)
+    MEMORY_CONFIG=(train_configs/llama3_8b.toml --training.local_batch_size 1
+                   --training.seq_len 8192 --activation_checkpoint.mode selective
+                   --activation_checkpoint.selective_ac_option op)
+fi
 
 step() {  # step NAME SECONDS COMMAND...: run, keep its log, note exit code and seconds
     local name=$1 limit=$2 start rc
@@ -38,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: run, keep its log, note exit code and 
 case $phase in
 harness)
     step harness 560 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
-        --settings bf16,float8 --ours-variant "levers_off=$LEVERS_OFF" --out "$out/table.md"
+        "${SETTINGS[@]}" --ours-variant "levers_off=$LEVERS_OFF" --out "$out/table.md"
     cat "$out/table.md" >>"$out/summary.txt" 2>/dev/null
     grep -h "attention kernel\|Loss: " "$work"/logs/ours_*.log | sed 's/.* - INFO - //' \
         | sort -u >>"$out/summary.txt"
@@ -49,17 +62,15 @@ levers)
 compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'))" \
         >"$out/install.log" 2>&1 || { echo "error: installing $wheels failed; see $out/install.log" >&2; exit 2; }
     export PYTHONPATH="$PWD:$work/site:$PWD/scripts"
-    step loss_path 240 "$py" scripts/benchmark_loss.py --device cuda --tokens 8192 --dim 4096 \
-        --vocab 128256 --dtype bfloat16 --compile --chunk 8192
+    step loss_path 240 "$py" scripts/benchmark_loss.py "${LOSS_SHAPE[@]}"
     tail -6 "$out/loss_path.log" | head -5 >>"$out/summary.txt"
-    step memory 300 "$py" scripts/estimate_memory.py --job.config_file train_configs/llama3_8b.toml \
-        --world-size 8 --compare-real --training.local_batch_size 1 --training.seq_len 8192 \
-        --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op
+    step memory 300 "$py" scripts/estimate_memory.py --job.config_file "${MEMORY_CONFIG[@]}" \
+        --world-size 8 --compare-real
     grep -v "^\[" "$out/memory.log" | tail -12 >>"$out/summary.txt"
     ;;
 optim)
     step optim 560 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
-        --settings bf16 --ours-variant "bf16_state=--optimizer.state_dtype bfloat16" \
+        "${OPTIM_SETTINGS[@]}" --ours-variant "bf16_state=--optimizer.state_dtype bfloat16" \
         --out "$out/table_optim.md"
     cat "$out/table_optim.md" >>"$out/summary.txt" 2>/dev/null
     ;;
