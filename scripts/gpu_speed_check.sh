@@ -27,7 +27,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disa
 LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step"
 if [[ ${SMOKE:-0} == 1 ]]; then
     SETTINGS=(--device cpu --settings bf16) OPTIM_SETTINGS=(--device cpu --settings bf16)
-    LOSS_SHAPE=(--device cpu) MEMORY_CONFIG=(train_configs/debug_model.toml)
+    LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
+    MEMORY_CONFIG=(train_configs/debug_model.toml --training.seq_len 64
+                   --training.local_batch_size 2)
     LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step"
 else
     SETTINGS=(--settings bf16,float8) OPTIM_SETTINGS=(--settings bf16)

@@ -222,3 +222,18 @@ def test_ours_variant_adds_flags_and_a_run_per_setting(cu, tmp_path, capsys):
         cu.parse_args(["--ours-variant", "no flags here"])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: --ours-variant 'no flags here': expected")
+
+
+@pytest.mark.slow  # ~25 s: the loss benchmark and the memory comparison at toy sizes
+def test_gpu_speed_check_levers_phase_runs_on_the_cpu(tmp_path):
+    """The prepared GPU script's plumbing (SMOKE=1: CPU, toy sizes; no upstream needed)."""
+    wheels, out = tmp_path / "wheels", tmp_path / "out"
+    wheels.mkdir()
+    env = {**os.environ, "SMOKE": "1", "WORK": str(tmp_path / "work")}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_speed_check.sh"),
+                           str(wheels), str(out), "levers"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "loss_path: exit 0" in summary and "memory: exit 0" in summary
+    assert "chunked / logits: time" in summary and "CPU STAND-IN" in summary
