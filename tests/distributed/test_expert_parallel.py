@@ -1,4 +1,5 @@
-"""Expert parallelism equals the same layout without it (real gloo ranks, Qwen3 MoE debug flavor).
+"""Expert parallelism equals the same layout without it (real gloo ranks, Qwen3 MoE debug flavor
+built with 2 of its 4 layers: both are MoE layers, and a pipeline stage holds one).
 
 Every run starts from one seed checkpoint and sees the same global batch per step
 (tests/distributed/trainer_runs.py), and each EP layout is compared with the layout of the same
@@ -43,6 +44,7 @@ from tests.distributed.trainer_runs import (
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+N_LAYERS = 2  # of the flavor's 4 (run_sequence): half the collectives of every run
 
 
 def _dp(shard: int) -> list[str]:
@@ -170,7 +172,7 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
         argvs = first + [
             from_seed(seed_dir, str(root / name), *MOE, *flags) for name, flags in layouts.items()
         ] + list(last.values())
-        per_rank = launch(run_sequence, world, argvs, timeout_s=400)
+        per_rank = launch(run_sequence, world, argvs, N_LAYERS, timeout_s=400)
         for i, name in enumerate([*layouts, *last]):
             out[name] = [rank[len(first) + i] for rank in per_rank]
     return out
@@ -349,7 +351,7 @@ def test_hf_export_of_an_ep_run_has_every_expert_whole(runs, root):
     seed = load_dcp_model_tensors(str(root / "seed" / "checkpoint" / "step-0"))
     stacked = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
     experts = [k for k in hf if ".mlp.experts." in k]
-    assert len(experts) == 4 * 8 * 3  # layers x experts x projections
+    assert len(experts) == N_LAYERS * 8 * 3  # layers x experts x projections
     for key in experts:
         layer, expert, proj = int(key.split(".")[2]), int(key.split(".")[5]), key.split(".")[6]
         name = next(k for k in dcp if k.startswith(f"layers.{layer}.")

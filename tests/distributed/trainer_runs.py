@@ -139,20 +139,36 @@ def run_trainer(argv: list[str]) -> dict[str, list[float]]:
     return record
 
 
-def run_sequence(runs: list[list[str]]) -> list[dict[str, list[float]]]:
-    """Worker entry: each argv in turn (seed checkpoint writes return ``{}``)."""
+def run_sequence(
+    runs: list[list[str]], n_layers: int | None = None
+) -> list[dict[str, list[float]]]:
+    """Worker entry: each argv in turn (seed checkpoint writes return ``{}``). With
+    ``n_layers``, every flavor is built with that many layers (a layout's equality does not
+    depend on the depth, and each layer costs every run its collectives)."""
     from torchtitan.config.manager import ConfigManager
+    from torchtitan.models.spec import ModelSpec
     from torchtitan.train import Trainer
 
+    get_model_args = ModelSpec.get_model_args
+    if n_layers is not None:
+        def with_layers(spec: ModelSpec, flavor: str):
+            args = get_model_args(spec, flavor)
+            args.n_layers = n_layers
+            return args
+
+        ModelSpec.get_model_args = with_layers
     results = []
-    for argv in runs:
-        if "--checkpoint.create_seed_checkpoint" in argv and REAL_DATA not in argv:
-            trainer = Trainer(ConfigManager().parse_args(argv))
-            try:
-                trainer.train()
-            finally:
-                trainer.close()
-            results.append({})
-        else:
-            results.append(run_trainer(argv))
+    try:
+        for argv in runs:
+            if "--checkpoint.create_seed_checkpoint" in argv and REAL_DATA not in argv:
+                trainer = Trainer(ConfigManager().parse_args(argv))
+                try:
+                    trainer.train()
+                finally:
+                    trainer.close()
+                results.append({})
+            else:
+                results.append(run_trainer(argv))
+    finally:
+        ModelSpec.get_model_args = get_model_args
     return results
