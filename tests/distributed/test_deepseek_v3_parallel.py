@@ -9,10 +9,12 @@ blocks with the Llama pipeline helpers (1F1B); CP2 shards the sequence and the R
 (ring attention over v zero-padded to the q/k head dim); EP2 puts 4 of the 8 routed experts on
 each rank (group-limited routing picks experts on both; the shared experts stay FSDP). The MoE
 load-balancing bias is updated every step, so later steps' routing depends on it matching.
+The runs build the flavor with 2 of its 6 layers (its dense layer and one MoE layer; each
+pipeline stage holds one).
 
-Measured (worst step and rank): loss 1.3e-6 absolute for FSDP2, 1.9e-6 TP2, 9.5e-7 PP2,
-1.0e-6 CP2, 1.1e-6 EP2 (expert gradients scaled 1.5x wrong fail it); grad norms
-5.7e-5 relative (the CPU fp32 norm kernel, see test_qwen3_parallel.py), hence rtol 1e-4 there.
+Measured (worst step and rank): loss 1.1e-6 absolute for FSDP2, 9.5e-7 TP2, 4.8e-7 PP2,
+9.5e-7 CP2, 1.1e-6 EP2 (expert gradients scaled 1.5x wrong fail it); grad norms
+4.6e-5 relative (the CPU fp32 norm kernel, see test_qwen3_parallel.py), hence rtol 1e-4 there.
 The loss alone is a weak check of TP (AdamW hides gradient scale errors; a rope key whose
 gradient was not summed over the TP ranks moved the loss by only 1.5e-4 at step 3), so
 :func:`tp_gradients` also compares every parameter's gradient after one backward (measured
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow  # launches gloo ranks
 
 TOL = {"loss": dict(rtol=1e-5, atol=1e-5), "grad_norm": dict(rtol=1e-4, atol=1e-5)}
 MODEL = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+N_LAYERS = 2  # of the flavor's 6 (run_sequence): its dense layer and one MoE layer
 LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.data_parallel_shard_degree", "1",
@@ -51,9 +54,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     root = tmp_path_factory.mktemp("deepseek_v3")
     seed_dir = str(root / "seed" / "checkpoint" / "step-0")
     single = [[*seed_args(str(root / "seed")), *MODEL], from_seed(seed_dir, str(root / "one"), *MODEL)]
-    one = launch(run_sequence, 1, single, timeout_s=240)[0]
+    one = launch(run_sequence, 1, single, N_LAYERS, timeout_s=240)[0]
     argvs = [from_seed(seed_dir, str(root / name), *MODEL, *flags) for name, flags in LAYOUTS.items()]
-    per_rank = launch(run_sequence, 2, argvs, timeout_s=300)
+    per_rank = launch(run_sequence, 2, argvs, N_LAYERS, timeout_s=300)
     out = {"one": [one[1]]}
     for i, name in enumerate(LAYOUTS):
         out[name] = [rank[i] for rank in per_rank]

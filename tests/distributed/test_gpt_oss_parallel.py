@@ -2,14 +2,14 @@
 EP2 x TP2 x ETP2 on four, equals one device; an EP2 x FSDP2 checkpoint resumes at FSDP4.
 
 Same method as test_deepseek_v3_parallel.py (tests/distributed/trainer_runs.py): one seed
-checkpoint, fixed global batches (seq 64, so the 32-token windows of layers 0 and 2 bite),
-per-step loss and grad norm compared. TP2 shards the heads with their biases and sinks; EP2
-puts 4 of the 8 experts (with their biases) on each rank; ETP2 also splits every expert's
-hidden units (the gate/up biases with them, the down bias added once after the sum); PP2 cuts
-the four blocks into two stages; CP2 runs the windows and sinks through the masked all-gather
-path. The biases start at zero and move with the first AdamW step, so later steps exercise
-them; :func:`tp_gradients` compares every gradient after one backward with random non-zero
-biases and sinks.
+checkpoint, fixed global batches (seq 64, so the 32-token window of layer 0 bites), per-step
+loss and grad norm compared, on the flavor built with 2 of its 4 layers (one windowed, one
+full). TP2 shards the heads with their biases and sinks; EP2 puts 4 of the 8 experts (with
+their biases) on each rank; ETP2 also splits every expert's hidden units (the gate/up biases
+with them, the down bias added once after the sum); PP2 puts one block on each stage; CP2
+runs the window and sinks through the masked all-gather path. The biases start at zero and
+move with the first AdamW step, so later steps exercise them; :func:`tp_gradients` compares
+every gradient after one backward with random non-zero biases and sinks (all 4 layers).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.distributed.trainer_runs import (
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
 MODEL = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+N_LAYERS = 2  # of the flavor's 4 (run_sequence): a windowed and a full layer
 
 
 def _dp(n: int) -> list[str]:
@@ -72,7 +73,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
         argvs = first + [
             from_seed(seed_dir, str(root / name), *MODEL, *flags) for name, flags in layouts.items()
         ] + list(last.values())
-        per_rank = launch(run_sequence, world, argvs, timeout_s=600)
+        per_rank = launch(run_sequence, world, argvs, N_LAYERS, timeout_s=600)
         for i, name in enumerate([*layouts, *last]):
             out[name] = [rank[len(first) + i] for rank in per_rank]
     return out
