@@ -110,6 +110,23 @@ def test_context_parallel_halves_activations():
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 
+@pytest.fixture
+def two_moe_layers(monkeypatch):
+    """The MoE flavor built with 2 of its 4 layers: the per-layer counts below are the same,
+    and the tracker's cost grows with the layers (ops x tensors)."""
+    from torchtitan.models.spec import ModelSpec
+
+    get_model_args = ModelSpec.get_model_args
+
+    def with_two_layers(spec, flavor):
+        args = get_model_args(spec, flavor)
+        if flavor == "debugmodel_moe":
+            args.n_layers = 2
+        return args
+
+    monkeypatch.setattr(ModelSpec, "get_model_args", with_two_layers)
+
+
 def _moe_shard_bytes(world_size: int, ep: int) -> tuple[int, int, int]:
     """(bytes of one rank's parameter shards, bytes of one MoE layer's experts, parameter
     tensors), fp32: dense
@@ -133,7 +150,7 @@ def _moe_shard_bytes(world_size: int, ep: int) -> tuple[int, int, int]:
     return total, layer_experts, len(list(model.parameters()))
 
 
-def test_expert_parallel_counts_expert_shards():
+def test_expert_parallel_counts_expert_shards(two_moe_layers):
     """EP2 over 4 ranks: each rank holds 4 of the 8 experts, FSDP-sharded over the other 2
     ranks (dp_shard_mod_ep): per-rank parameter and AdamW bytes equal an exact count from the
     model (the same as FSDP4 without EP: experts are sharded over ep x dp_shard_mod_ep = 4
@@ -152,7 +169,7 @@ def test_expert_parallel_counts_expert_shards():
     assert "ep=2" in ep.parallelism
 
 
-def test_expert_tensor_parallel_splits_the_expert_bytes_over_tp():
+def test_expert_tensor_parallel_splits_the_expert_bytes_over_tp(two_moe_layers):
     """TP2 x FSDP2 on 4 ranks: without expert TP each TP rank stores its experts whole (FSDP
     shards them over dp_shard 2 only); with it their hidden dims are split over tp as well, so
     each rank stores exactly a quarter of every expert weight instead of half."""
