@@ -40,6 +40,21 @@ LOSS_PROBE = textwrap.dedent(
 )
 
 
+# Builds the flavors with 2 layers (appended to the probe where the depth does not matter: each
+# layer adds its collectives, simulated or real, to every step).
+TWO_LAYERS = textwrap.dedent(
+    """
+    from torchtitan.models.spec import ModelSpec
+    _get_model_args = ModelSpec.get_model_args
+    def _two_layers(self, flavor):
+        args = _get_model_args(self, flavor)
+        args.n_layers = 2
+        return args
+    ModelSpec.get_model_args = _two_layers
+    """
+)
+
+
 def _run(env: dict[str, str], *flags: str, tmp: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
     full_env.pop("COMM_MODE", None) if "COMM_MODE" not in env else None
@@ -158,10 +173,10 @@ def test_local_tensor_matches_real_gloo_tp2_fsdp2(tmp_path):
      "dispatch; etp=2: expert hidden dims split over each TP group"),
 ], ids=["ep2_tp2_etp2_fsdp2", "ep2_tp4_etp2"])
 def test_local_tensor_matches_real_gloo_expert_parallel_with_expert_tp(tmp_path, layout, logged):
-    """EP2 x ETP2 (Qwen3 MoE debug flavor): the token all-to-all's per-rank splits, the
-    experts' DTensors and the expert TP all-reduce, simulated in one process, give the real
-    4-rank run's losses."""
-    (tmp_path / "loss_probe.py").write_text(LOSS_PROBE)
+    """EP2 x ETP2 (Qwen3 MoE debug flavor, 2 of its 4 layers): the token all-to-all's per-rank
+    splits, the experts' DTensors and the expert TP all-reduce, simulated in one process, give
+    the real 4-rank run's losses."""
+    (tmp_path / "loss_probe.py").write_text(LOSS_PROBE + TWO_LAYERS)
     flags = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
              "--training.seq_len", "64", "--training.local_batch_size", "2",
              "--training.steps", "3", "--debug.seed", "42",
@@ -173,7 +188,7 @@ def test_local_tensor_matches_real_gloo_expert_parallel_with_expert_tp(tmp_path,
     simulated = _run({**env, "COMM_MODE": "local_tensor"}, *flags, tmp=tmp_path)
     out = simulated.stdout + simulated.stderr
     assert simulated.returncode == 0, out[-3000:]
-    assert logged in out
+    assert logged in out and "n_layers=2," in out
     real = _run(env, *flags, tmp=tmp_path)
     assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]
     sim_losses, real_losses = _probed(simulated), _probed(real)
