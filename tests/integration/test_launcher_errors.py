@@ -3,6 +3,9 @@
 Two ranks (NGPU=2), console showing rank 0 only (LOG_RANK=0). Mistakes the config reveals are
 caught by the pre-flight check before torchrun starts (no rank output at all); the others stop
 inside the ranks, and the launcher names the root cause even when only rank 1 saw it.
+A few pre-flight refusals go through ./run_train.sh; the others run the same launcher
+(``torchtitan.launch.main``, with the arguments ./run_train.sh execs) in this process, where
+torchrun is replaced by a recorder that must stay unused (each subprocess costs ~2 s of imports).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO_ROOT
-
-pytestmark = pytest.mark.slow  # ./run_train.sh and torchrun in subprocesses
 
 FAIL_ON_RANK_1 = "tests.integration.assets.fail_on_rank1"
 
@@ -102,7 +103,17 @@ PREFLIGHT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(PREFLIGHT_CASES))
+# A flag the parser refuses, and degrees that do not fit NGPU (the world size comes from
+# ./run_train.sh's --nproc_per_node).
+THROUGH_RUN_TRAIN = ["typo-flag", "degrees-vs-ngpu"]
+# What ./run_train.sh execs for NGPU=2 LOG_RANK=0 (its "+ exec python -m torchtitan.launch" line).
+LAUNCH_ARGV = ["--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0",
+               "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "--", "-m",
+               "torchtitan.train", "--job.config_file", "./train_configs/debug_model.toml"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", THROUGH_RUN_TRAIN)
 def test_bad_config_is_one_line_before_torchrun(launch_env, dump_folder, case):
     args, message = PREFLIGHT_CASES[case]
     code, out = run_train([*args, "--job.dump_folder", str(dump_folder)], launch_env)
@@ -112,12 +123,43 @@ def test_bad_config_is_one_line_before_torchrun(launch_env, dump_folder, case):
     assert not dump_folder.exists()
 
 
+def launch_in_process(monkeypatch, capsys, args: list[str]) -> tuple[int, str, list]:
+    """``torchtitan.launch.main`` as ./run_train.sh runs it on this CPU machine (repository
+    root, CUDA_VISIBLE_DEVICES=""): exit code, console output, torchrun calls."""
+    import torch.distributed.run as torchrun
+
+    import torchtitan.tools.device as device
+    from torchtitan.launch import main as launch_main
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(device, "device_type", "cpu")
+    started: list = []
+    monkeypatch.setattr(torchrun, "run", started.append)
+    code = launch_main([*LAUNCH_ARGV, *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err, started
+
+
+@pytest.mark.parametrize("case", sorted(set(PREFLIGHT_CASES) - set(THROUGH_RUN_TRAIN)))
+def test_bad_config_is_one_line_before_torchrun_in_process(monkeypatch, capsys, dump_folder,
+                                                           case):
+    args, message = PREFLIGHT_CASES[case]
+    code, out, started = launch_in_process(
+        monkeypatch, capsys, [*args, "--job.dump_folder", str(dump_folder)])
+    line = assert_one_error_line(code, out, message)
+    assert line.startswith("error: "), line
+    assert started == []  # torchrun never started
+    assert not dump_folder.exists()
+
+
+@pytest.mark.slow
 def test_bad_toml_is_one_line_before_torchrun(launch_env, bad_toml):
     code, out = run_train([], dict(launch_env, CONFIG_FILE=bad_toml))
     assert_one_error_line(code, out, "bad.toml")
     assert "[rank" not in out
 
 
+@pytest.mark.slow
 def test_failure_on_rank_1_only_reaches_the_rank_0_console(launch_env, dump_folder):
     code, out = run_train(
         ["--experimental.custom_import", FAIL_ON_RANK_1, "--job.dump_folder", str(dump_folder)],
@@ -148,9 +190,8 @@ def _bad_files(tmp_path, case: str) -> tuple[list[str], dict, str]:
             "dataset 'c4' streams allenai/c4 from the Hugging Face Hub, but offline mode is set")
 
 
-@pytest.mark.parametrize(
-    "case", ["dump-folder-is-a-file", "garbage-tokenizer", "empty-dataset", "c4-offline"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["c4-offline"])  # HF_HUB_OFFLINE is read at import time
 def test_bad_files_are_one_line_before_torchrun(launch_env, dump_folder, tmp_path, case):
     args, env, message = _bad_files(tmp_path, case)
     code, out = run_train(["--job.dump_folder", str(dump_folder), *args], dict(launch_env, **env))
@@ -159,6 +200,19 @@ def test_bad_files_are_one_line_before_torchrun(launch_env, dump_folder, tmp_pat
     assert "[rank" not in out, out[-3000:]
 
 
+@pytest.mark.parametrize("case", ["dump-folder-is-a-file", "garbage-tokenizer", "empty-dataset"])
+def test_bad_files_are_one_line_before_torchrun_in_process(monkeypatch, capsys, dump_folder,
+                                                           tmp_path, case):
+    args, env, message = _bad_files(tmp_path, case)
+    assert env == {}
+    code, out, started = launch_in_process(
+        monkeypatch, capsys, ["--job.dump_folder", str(dump_folder), *args])
+    line = assert_one_error_line(code, out, message)
+    assert line.startswith("error: "), line
+    assert started == []
+
+
+@pytest.mark.slow
 def test_error_inside_every_rank_is_shown_once(launch_env, dump_folder, tmp_path):
     """Text that is not UTF-8 shows only when a rank reads it (the pre-flight reads no data)."""
     bad = tmp_path / "latin1.jsonl"
