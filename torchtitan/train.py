@@ -125,6 +125,7 @@ class Trainer(Stateful):
         )
         self.preemption = Preemption()
         self.gc_freq = 1 if cfg.training.gc_debug else cfg.training.gc_freq
+        self._gc_was_enabled = gc.isenabled()  # collected every gc_freq steps instead
         gc.disable()
         t = cfg.training
         logger.info(
@@ -365,6 +366,8 @@ class Trainer(Stateful):
         self.checkpointer.close()
         self.metrics.close()
         self.comm_mode.close()
+        if getattr(self, "_gc_was_enabled", False):
+            gc.enable()  # the process goes on (tests, notebooks): automatic collection back
 
     # --- Stateful ------------------------------------------------------------------------
     # Per-rank RNG states saved by another layout are absent on load (rng_state.py).
