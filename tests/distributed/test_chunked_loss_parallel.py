@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import launch
-from tests.distributed.trainer_runs import NORM_TOL, STEPS, TOL, from_seed, run_sequence, seed_args
+from tests.distributed.trainer_runs import NORM_TOL, STEPS, TOL, lever_runs
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
@@ -33,29 +32,18 @@ TWO_RANKS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
-    root = tmp_path_factory.mktemp("chunked_loss")
-    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
-    one = [seed_args(str(root / "seed")),
-           from_seed(seed_dir, str(root / "logits"), *VALIDATION),
-           from_seed(seed_dir, str(root / "one"), *VALIDATION, *CHUNKED)]
-    _, logits, chunked = launch(run_sequence, 1, one, timeout_s=300)[0]
-    out = {"logits": logits, "one": [chunked]}
-    argvs = [from_seed(seed_dir, str(root / name), *VALIDATION, *CHUNKED, *flags)
-             for name, flags in TWO_RANKS.items()]
-    per_rank = launch(run_sequence, 2, argvs, timeout_s=600)
-    for i, name in enumerate(TWO_RANKS):
-        out[name] = [rank[i] for rank in per_rank]
-    return out
+    return lever_runs(tmp_path_factory.mktemp("chunked_loss"), [*VALIDATION, *CHUNKED],
+                      ["--training.loss_implementation", "logits"], TWO_RANKS)
 
 
 def test_logits_path_trains(runs):
-    losses = runs["logits"]["loss"]
+    losses = runs["plain"][0]["loss"]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
 
 
 @pytest.mark.parametrize("layout", ["one", *TWO_RANKS])
 def test_chunked_loss_matches_logits(layout, runs):
-    reference = runs["logits"]
+    reference = runs["plain"][0]
     for rank, run in enumerate(runs[layout]):
         # FSDP2's validation batches are other rows (two data-parallel ranks)
         for key in ("loss", "grad_norm") + (() if layout == "fsdp2" else ("val",)):

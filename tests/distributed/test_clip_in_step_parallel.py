@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launcher import launch
-from tests.distributed.trainer_runs import NORM_TOL, TOL, from_seed, run_sequence, seed_args
+from tests.distributed.trainer_runs import NORM_TOL, TOL, lever_runs
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
@@ -28,29 +27,17 @@ TWO_RANKS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
-    root = tmp_path_factory.mktemp("clip_in_step")
-    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
-    _, rescale, in_step = launch(run_sequence, 1, [
-        seed_args(str(root / "seed")),
-        from_seed(seed_dir, str(root / "rescale"), *FUSED, "--optimizer.no_clip_in_step"),
-        from_seed(seed_dir, str(root / "one"), *FUSED),
-    ], timeout_s=300)[0]
-    out = {"rescale": rescale, "one": [in_step]}
-    argvs = [from_seed(seed_dir, str(root / name), *FUSED, *flags)
-             for name, flags in TWO_RANKS.items()]
-    per_rank = launch(run_sequence, 2, argvs, timeout_s=600)
-    for i, name in enumerate(TWO_RANKS):
-        out[name] = [rank[i] for rank in per_rank]
-    return out
+    return lever_runs(tmp_path_factory.mktemp("clip_in_step"), FUSED,
+                      ["--optimizer.no_clip_in_step"], TWO_RANKS)
 
 
 def test_every_step_clips(runs):
-    assert min(runs["rescale"]["grad_norm"]) > 0.05
+    assert min(runs["plain"][0]["grad_norm"]) > 0.05
 
 
 @pytest.mark.parametrize("layout", ["one", *TWO_RANKS])
 def test_clip_in_step_matches_rescaling(layout, runs):
-    reference = runs["rescale"]
+    reference = runs["plain"][0]
     for rank, run in enumerate(runs[layout]):
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(

@@ -11,6 +11,8 @@ differ and the loss normalisation is exercised.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 STEPS = 4
@@ -172,3 +174,25 @@ def run_sequence(
     finally:
         ModelSpec.get_model_args = get_model_args
     return results
+
+
+def lever_runs(root: Path, flags: list[str], lever_off: list[str],
+               two_ranks: dict[str, list[str]]) -> dict[str, list[dict[str, list[float]]]]:
+    """A lever (a kernel path with its own switch) against its plain path, from one seed
+    checkpoint: on one rank ``flags + lever_off`` (``"plain"``) and ``flags`` (``"one"``), then
+    every layout of ``two_ranks`` with ``flags`` on two ranks. Per name, each rank's record."""
+    from tests.distributed.launcher import launch
+
+    seed_dir = str(root / "seed" / "checkpoint" / "step-0")
+    _, plain, one = launch(run_sequence, 1, [
+        seed_args(str(root / "seed")),
+        from_seed(seed_dir, str(root / "plain"), *flags, *lever_off),
+        from_seed(seed_dir, str(root / "one"), *flags),
+    ], timeout_s=300)[0]
+    out = {"plain": [plain], "one": [one]}
+    argvs = [from_seed(seed_dir, str(root / name), *flags, *layout)
+             for name, layout in two_ranks.items()]
+    per_rank = launch(run_sequence, 2, argvs, timeout_s=600)
+    for i, name in enumerate(two_ranks):
+        out[name] = [rank[i] for rank in per_rank]
+    return out
