@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.trainer_runs import NORM_TOL, STEPS, TOL, lever_runs
+from tests.distributed.trainer_runs import NORM_TOL, STEPS, TOL, TWO_RANK_LAYOUTS, lever_runs
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
@@ -20,20 +20,12 @@ CHUNKED = ["--training.loss_implementation", "chunked", "--training.loss_chunk_s
 VALIDATION = ["--validation.enable", "--validation.dataset", "c4_test",
               "--validation.local_batch_size", "2", "--validation.seq_len", "64",
               "--validation.steps", "2", "--validation.freq", "100"]
-ONE_BATCH = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
-TWO_RANKS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": [*ONE_BATCH, "--parallelism.tensor_parallel_degree", "2"],
-    "pp2": [*ONE_BATCH, "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "1F1B"],
-    "cp2": [*ONE_BATCH, "--parallelism.context_parallel_degree", "2"],
-}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     return lever_runs(tmp_path_factory.mktemp("chunked_loss"), [*VALIDATION, *CHUNKED],
-                      ["--training.loss_implementation", "logits"], TWO_RANKS)
+                      ["--training.loss_implementation", "logits"], TWO_RANK_LAYOUTS)
 
 
 def test_logits_path_trains(runs):
@@ -41,7 +33,7 @@ def test_logits_path_trains(runs):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.05, losses
 
 
-@pytest.mark.parametrize("layout", ["one", *TWO_RANKS])
+@pytest.mark.parametrize("layout", ["one", *TWO_RANK_LAYOUTS])
 def test_chunked_loss_matches_logits(layout, runs):
     reference = runs["plain"][0]
     for rank, run in enumerate(runs[layout]):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.trainer_runs import NORM_TOL, TOL, lever_runs
+from tests.distributed.trainer_runs import NORM_TOL, TOL, TWO_RANK_LAYOUTS, lever_runs
 
 pytestmark = pytest.mark.slow  # launches gloo ranks
 
@@ -16,13 +16,7 @@ pytestmark = pytest.mark.slow  # launches gloo ranks
 # tiny eps the factor cancels in m / sqrt(v), and a wrong one would not show)
 FUSED = ["--optimizer.implementation", "fused", "--training.max_norm", "0.05",
          "--optimizer.eps", "1e-3"]
-ONE_BATCH = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
-TWO_RANKS = {
-    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp2": [*ONE_BATCH, "--parallelism.tensor_parallel_degree", "2"],
-    "pp2": [*ONE_BATCH, "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "1F1B"],
-}
+TWO_RANKS = {name: TWO_RANK_LAYOUTS[name] for name in ("fsdp2", "tp2", "pp2")}
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,11 @@ from tests.distributed.launcher import launch
 from tests.distributed.trainer_runs import (
     BASE_ARGS,
     NORM_TOL,
+    ONE_BATCH,
     REAL_DATA,
     STEPS,
     TOL,
+    dp,
     from_seed,
     resume_args,
     run_sequence,
@@ -45,10 +47,6 @@ pytestmark = pytest.mark.slow  # launches gloo ranks
 
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 N_LAYERS = 2  # of the flavor's 4 (run_sequence): half the collectives of every run
-
-
-def _dp(shard: int) -> list[str]:
-    return ["--parallelism.data_parallel_shard_degree", str(shard)]
 
 
 def _ep(n: int) -> list[str]:
@@ -67,49 +65,48 @@ def _cp(n: int) -> list[str]:
     return ["--parallelism.context_parallel_degree", str(n)]
 
 
-HSDP2x2 = [*REP2, *_dp(2), "--training.local_batch_size", "2", *FIVE_STEPS]
-CP2_FSDP2 = [*_cp(2), *_dp(2), *FIVE_STEPS]
-ONE_BATCH = ["--training.local_batch_size", "8"]  # dp 1: the whole global batch per step
+HSDP2x2 = [*REP2, *dp(2), "--training.local_batch_size", "2", *FIVE_STEPS]
+CP2_FSDP2 = [*_cp(2), *dp(2), *FIVE_STEPS]
 TWO_RANKS = {
-    "fsdp2": _dp(2),
-    "ep2_fsdp2": [*_dp(2), *_ep(2)],
+    "fsdp2": dp(2),
+    "ep2_fsdp2": [*dp(2), *_ep(2)],
     # the TP ranks split the MoE tokens: experts whole (gradients summed over tp), or spread
     # over ep = the TP ranks (no FSDP)
-    "tp2": [*_dp(1), *TP2, *ONE_BATCH],
-    "ep2_tp2_dp1": [*_dp(1), *TP2, *_ep(2), *ONE_BATCH],
+    "tp2": [*dp(1), *TP2, *ONE_BATCH],
+    "ep2_tp2_dp1": [*dp(1), *TP2, *_ep(2), *ONE_BATCH],
     # op-level SAC (the experts' FSDP unit sits inside the checkpointed block), full AC with
     # per-block compile, and 2 microbatches per step (gradient accumulation)
-    "ep2_sac": [*_dp(2), *_ep(2), "--activation_checkpoint.mode", "selective",
+    "ep2_sac": [*dp(2), *_ep(2), "--activation_checkpoint.mode", "selective",
                 "--activation_checkpoint.selective_ac_option", "op"],
-    "ep2_ac_compile": [*_dp(2), *_ep(2), "--activation_checkpoint.mode", "full",
+    "ep2_ac_compile": [*dp(2), *_ep(2), "--activation_checkpoint.mode", "full",
                        "--compile.enable", "--compile.backend", "aot_eager"],
-    "ep2_accum": [*_dp(2), *_ep(2), "--training.local_batch_size", "2"],
+    "ep2_accum": [*dp(2), *_ep(2), "--training.local_batch_size", "2"],
 }
 FOUR_RANKS = {
-    "fsdp4": [*_dp(4), "--training.local_batch_size", "2"],
-    "ep2_fsdp4": [*_dp(4), *_ep(2), "--training.local_batch_size", "2"],
-    "ep2_tp2": [*_dp(2), *TP2, *_ep(2)],  # ep = the TP ranks; experts FSDP over dp_shard
-    "ep4_tp2": [*_dp(2), *TP2, *_ep(4)],  # ep = tp x dp_shard
-    "ddp2_tp2_ep2": [*REP2, *_dp(1), *TP2, *_ep(2)],  # DDP (FSDP2's replicate), ep = tp
-    "ep2_tp2_etp2": [*_dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
-    "etp2_pp2": [*_dp(1), *TP2, *PP2, *ETP2, *ONE_BATCH],  # no EP
+    "fsdp4": [*dp(4), "--training.local_batch_size", "2"],
+    "ep2_fsdp4": [*dp(4), *_ep(2), "--training.local_batch_size", "2"],
+    "ep2_tp2": [*dp(2), *TP2, *_ep(2)],  # ep = the TP ranks; experts FSDP over dp_shard
+    "ep4_tp2": [*dp(2), *TP2, *_ep(4)],  # ep = tp x dp_shard
+    "ddp2_tp2_ep2": [*REP2, *dp(1), *TP2, *_ep(2)],  # DDP (FSDP2's replicate), ep = tp
+    "ep2_tp2_etp2": [*dp(2), *TP2, *_ep(2), *ETP2],  # experts: (ep, tp) = (Shard 0, hidden)
+    "etp2_pp2": [*dp(1), *TP2, *PP2, *ETP2, *ONE_BATCH],  # no EP
     # 2 token groups of 2 TP ranks, each expert split over a group's 2 ranks; then ep = the
     # 2 groups (experts on the (ep, etp) mesh as (Shard 0, hidden))
-    "tp4_etp2": [*_dp(1), *TP4, *ETP2, *ONE_BATCH],
-    "ep2_tp4_etp2": [*_dp(1), *TP4, *ETP2, *_ep(2), *ONE_BATCH],
-    "ep2_pp2": [*_dp(2), *PP2, *_ep(2)],
+    "tp4_etp2": [*dp(1), *TP4, *ETP2, *ONE_BATCH],
+    "ep2_tp4_etp2": [*dp(1), *TP4, *ETP2, *_ep(2), *ONE_BATCH],
+    "ep2_pp2": [*dp(2), *PP2, *_ep(2)],
     "hsdp2x2": HSDP2x2,
     "ep2_hsdp2x2": [*HSDP2x2, *_ep(2)],  # experts: HSDP over (dp_replicate 2, dp_shard_mod_ep 1)
     "cp2_fsdp2": CP2_FSDP2,
     "ep2_cp2_fsdp2": [*CP2_FSDP2, *_ep(2)],  # ep = the cp ranks; experts FSDP over dp_shard
     "ep4_cp2_fsdp2": [*CP2_FSDP2, *_ep(4)],  # ep = dp_shard x cp
     # ep = 2 of the 4 cp ranks; experts FSDP over the other 2 (dp 1: the same global batch)
-    "ep2_cp4": [*_cp(4), *_dp(1), "--training.local_batch_size", "8", *FIVE_STEPS, *_ep(2)],
+    "ep2_cp4": [*_cp(4), *dp(1), "--training.local_batch_size", "8", *FIVE_STEPS, *_ep(2)],
 }
 EIGHT_RANKS = {
     # HSDP with both token groups and expert TP: dp_replicate 2 x TP4 x ETP2, ep = the 2 token
     # groups of each replica; experts replicated over dp_replicate, sharded on (ep, etp)
-    "ep2_hsdp2x1_tp4_etp2": [*REP2, *_dp(1), *TP4, *ETP2, *_ep(2)],
+    "ep2_hsdp2x1_tp4_etp2": [*REP2, *dp(1), *TP4, *ETP2, *_ep(2)],
 }
 PAIRS = [
     ("ep2_fsdp2", "fsdp2"),
@@ -150,22 +147,22 @@ def runs(root) -> dict[str, list[dict[str, list[float]]]]:
     save = [*BASE_ARGS, *MOE, "--job.dump_folder", saved, "--checkpoint.enable",
             "--checkpoint.last_save_in_hf", "--checkpoint.last_save_in_hf_allow_lossy",
             "--checkpoint.initial_load_path", seed_dir, "--training.steps", "2",
-            "--checkpoint.interval", "2", *_dp(2), *_ep(2)]
+            "--checkpoint.interval", "2", *dp(2), *_ep(2)]
     # The real dataloader at EP2 x FSDP2: 4 steps straight (saving at 2), then resumed at 2.
     real = [REAL_DATA, *BASE_ARGS, *MOE, "--job.dump_folder", str(root / "real"),
             "--checkpoint.enable", "--checkpoint.initial_load_path", seed_dir,
-            "--checkpoint.interval", "2", *_dp(2), *_ep(2)]
+            "--checkpoint.interval", "2", *dp(2), *_ep(2)]
     out: dict[str, list[dict[str, list[float]]]] = {}
     for world, layouts, first, last in (
         (1, {"one": []}, [[*seed_args(str(root / "seed")), *MOE]], {}),
         (2, TWO_RANKS, [], {"saved": save, "real": real,
                             "real_resumed": [*real, "--checkpoint.load_step", "2"]}),
         (4, FOUR_RANKS, [], {"resumed_fsdp4": resume_args(
-            saved, 2, *MOE, *_dp(4), "--training.local_batch_size", "2"),
-            "resumed_etp": resume_args(saved, 2, *MOE, *_dp(1), *TP4, *ETP2, *_ep(2),
+            saved, 2, *MOE, *dp(4), "--training.local_batch_size", "2"),
+            "resumed_etp": resume_args(saved, 2, *MOE, *dp(1), *TP4, *ETP2, *_ep(2),
                                        *ONE_BATCH),
             # ep = the TP ranks, which split the MoE tokens
-            "resumed_ep4_tp2": resume_args(saved, 2, *MOE, *_dp(2), *TP2, *_ep(4))}),
+            "resumed_ep4_tp2": resume_args(saved, 2, *MOE, *dp(2), *TP2, *_ep(4))}),
         (8, EIGHT_RANKS, [], {}),
         (1, {}, [], {"resumed_one": resume_args(saved, 2, *MOE)}),
     ):

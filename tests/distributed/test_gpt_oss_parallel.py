@@ -23,6 +23,8 @@ from tests.distributed.trainer_runs import (
     NORM_TOL,
     STEPS,
     TOL,
+    TWO_RANK_LAYOUTS,
+    dp,
     from_seed,
     resume_args,
     run_sequence,
@@ -35,22 +37,10 @@ MODEL = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 N_LAYERS = 2  # of the flavor's 4 (run_sequence): a windowed and a full layer
 
 
-def _dp(n: int) -> list[str]:
-    return ["--parallelism.data_parallel_shard_degree", str(n)]
-
-
-ONE_BATCH = ["--training.local_batch_size", "8"]  # dp 1: the whole global batch per step
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
-TWO_RANKS = {
-    "fsdp2": _dp(2),
-    "tp2": [*_dp(1), "--parallelism.tensor_parallel_degree", "2", *ONE_BATCH],
-    "ep2_fsdp2": [*_dp(2), *EP2],
-    "pp2": [*_dp(1), "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "1F1B", *ONE_BATCH],
-    "cp2": [*_dp(1), "--parallelism.context_parallel_degree", "2", *ONE_BATCH],
-}
+TWO_RANKS = {**TWO_RANK_LAYOUTS, "ep2_fsdp2": [*dp(2), *EP2]}
 FOUR_RANKS = {
-    "ep2_tp2_etp2": [*_dp(2), "--parallelism.tensor_parallel_degree", "2", *EP2,
+    "ep2_tp2_etp2": [*dp(2), "--parallelism.tensor_parallel_degree", "2", *EP2,
                      "--parallelism.expert_tensor_parallel_degree", "2"],
 }
 
@@ -62,8 +52,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, list[float]]]]:
     saved = str(root / "ep2_saved")
     save = [*BASE_ARGS, *MODEL, "--job.dump_folder", saved, "--checkpoint.enable",
             "--checkpoint.initial_load_path", seed_dir, "--training.steps", "2",
-            "--checkpoint.interval", "2", *_dp(2), *EP2]
-    resumed = resume_args(saved, 2, *MODEL, *_dp(4), "--training.local_batch_size", "2")
+            "--checkpoint.interval", "2", *dp(2), *EP2]
+    resumed = resume_args(saved, 2, *MODEL, *dp(4), "--training.local_batch_size", "2")
     out: dict[str, list[dict[str, list[float]]]] = {}
     for world, first, layouts, last in (
         (1, [[*seed_args(str(root / "seed")), *MODEL]], {"one": []}, {}),

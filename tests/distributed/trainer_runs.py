@@ -42,6 +42,25 @@ BASE_ARGS = [
 ]
 
 
+def dp(shard: int) -> list[str]:
+    """FSDP over ``shard`` ranks (1: no data parallelism)."""
+    return ["--parallelism.data_parallel_shard_degree", str(shard)]
+
+
+ONE_BATCH = ["--training.local_batch_size", str(GLOBAL_BATCH)]
+"""With data parallelism 1: the whole global batch in one microbatch (no accumulation)."""
+
+TWO_RANK_LAYOUTS = {
+    "fsdp2": dp(2),
+    "tp2": [*dp(1), "--parallelism.tensor_parallel_degree", "2", *ONE_BATCH],
+    "pp2": [*dp(1), "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B", *ONE_BATCH],
+    "cp2": [*dp(1), "--parallelism.context_parallel_degree", "2", *ONE_BATCH],
+}
+"""The two-rank layouts a feature is checked under against one device: each takes the same
+global batch per step (FSDP2 two local halves; TP2, PP2, CP2 the whole batch on both ranks)."""
+
+
 def global_batch(
     step: int, separators: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
