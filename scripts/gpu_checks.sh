@@ -52,14 +52,12 @@ ft_groups() {  # ft_groups NAME EXTRA_FLAGS...: 2 torchft groups of 1 GPU each o
     done
 }
 
-check() {  # check NAME SECONDS COMMAND...
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" >"$tmp/$name.log" 2>&1
+. scripts/timed_run.sh
+check() {  # check NAME SECONDS COMMAND...: the log in $tmp, its tail in checks.log
+    local rc
+    timed_run "$tmp" "$@"
     rc=$?
-    echo "$name: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
-    { echo "===== $name (exit $rc)"; grep -v -E "Warning|warnings.warn" "$tmp/$name.log" | tail -25; } >>"$out/checks.log"
+    { echo "===== $1 (exit $rc)"; grep -v -E "Warning|warnings.warn" "$tmp/$1.log" | tail -25; } >>"$out/checks.log"
 }
 
 bench() {  # bench NAME EXTRA_FLAGS...: 8B-shaped layers, seq 4096, compiled, no AC

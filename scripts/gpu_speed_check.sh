@@ -40,14 +40,9 @@ else
                    --activation_checkpoint.selective_ac_option op)
 fi
 
-step() {  # step NAME SECONDS COMMAND...: run, keep its log, note exit code and seconds
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
-    rc=$?
-    echo "$name: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
-    return $rc
+. scripts/timed_run.sh
+step() {  # step NAME SECONDS COMMAND...: the log in $out
+    timed_run "$out" "$@"
 }
 
 case $phase in
