@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
 from torchtitan.config.job_config import Optimizer
 from torchtitan.distributed import utils as dist_utils
 
@@ -24,11 +24,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
 
 
-def _train(max_norm: float, in_step: bool, steps: int = 5) -> tuple[list[float], nn.Module]:
+def _train(max_norm: float, in_step: bool, steps: int = 5,
+           state_dtype: str = "float32") -> tuple[list[float], nn.Module]:
     model = _model()
     # eps as large as the gradients: Adam's update then depends on their scale (with a tiny
     # eps it cancels, and a wrong clip factor would not show)
-    opts = OptimizersContainer([model], Optimizer(implementation="fused", lr=1e-2, eps=0.1))
+    opts = build_optimizers([model], Optimizer(implementation="fused", lr=1e-2, eps=0.1,
+                                               state_dtype=state_dtype))
     assert opts.clips_in_step
     g = torch.Generator().manual_seed(1)
     norms = []
@@ -59,6 +61,17 @@ def test_without_clipping_the_update_is_bitwise_the_same():
     assert max(ref_norms) < 1e6
     for a, b in zip(got.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_bf16_state_optimizer_clips_in_its_step_too():
+    """optimizer.state_dtype=bfloat16: its compiled step divides by the clip factor as it
+    reads each gradient; within bf16 moment rounding of rescaling the gradients first."""
+    ref_norms, ref = _train(max_norm=1.0, in_step=False, state_dtype="bfloat16")
+    norms, got = _train(max_norm=1.0, in_step=True, state_dtype="bfloat16")
+    assert min(ref_norms) > 1.0
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    for a, b in zip(got.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 
 
 def test_the_divisor_is_used_once():

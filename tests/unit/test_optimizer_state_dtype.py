@@ -373,12 +373,15 @@ def test_a_decay_by_0_999_is_lost_in_bf16_and_by_0_99_is_not():
 
 
 @pytest.mark.slow
-def test_the_compiled_step_equals_the_eager_one():
-    """What runs on CUDA (torch.compile of the same function), checked with the CPU backend."""
+@pytest.mark.parametrize("divisor", [None, 2.5])
+def test_the_compiled_step_equals_the_eager_one(divisor):
+    """What runs on CUDA (torch.compile of the same function), checked with the CPU backend;
+    with a gradient divisor (clipping inside the step) and without."""
     torch.manual_seed(0)
     p, g = torch.randn(257, 33), torch.randn(257, 33)
     m, v = torch.randn(257, 33).bfloat16(), torch.rand(257, 33).bfloat16()
-    args = (torch.tensor(3.0), torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1, True)
+    args = (torch.tensor(3.0), torch.tensor(1e-2), 0.9, 0.95, 1e-8, 0.1, True,
+            None if divisor is None else torch.tensor(divisor))
     eager = [t.clone() for t in (p, g, m, v)]
     compiled = [t.clone() for t in (p, g, m, v)]
     adam_bf16_state_step(*eager, *args)

@@ -81,11 +81,16 @@ def adam_bf16_state_step(
     eps: float,
     weight_decay: float,
     decoupled: bool,
+    grad_divisor: Tensor | None = None,
 ) -> None:
     """One Adam(W) step of one (local) parameter, in float32; the moments are stored rounded to
-    their own dtype. ``step`` (already counting this step) and ``lr`` are 0-dim float32."""
+    their own dtype. ``step`` (already counting this step) and ``lr`` are 0-dim float32;
+    ``grad_divisor`` (0-dim float32, e.g. the clip factor) divides the gradient as it is read,
+    before weight decay, as torch's fused kernel does with its ``grad_scale``."""
     p32 = p.float()  # p itself when float32: updated in place
     g = grad.float()
+    if grad_divisor is not None:
+        g = g / grad_divisor
     if weight_decay != 0:
         if decoupled:
             p32.mul_(1 - lr * weight_decay)
@@ -126,7 +131,12 @@ def _local(t: Tensor) -> Tensor:
 
 
 class AdamBF16State(torch.optim.Optimizer):
-    """Adam (``decoupled_weight_decay=False``) or AdamW with bfloat16 moments and float32 math."""
+    """Adam (``decoupled_weight_decay=False``) or AdamW with bfloat16 moments and float32 math.
+    Setting ``grad_scale`` (a 0-dim float32 tensor, as on torch's fused Adam) makes the next
+    :meth:`step` use ``gradient / grad_scale`` inside its kernel."""
+
+    divides_by_grad_scale = True
+    grad_scale: Tensor | None = None
 
     def __init__(
         self,
@@ -159,6 +169,7 @@ class AdamBF16State(torch.optim.Optimizer):
             if not isinstance(lr, Tensor):
                 lr = torch.tensor(lr, dtype=torch.float32)
             beta1, beta2 = group["betas"]
+            divisor = self.grad_scale
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -180,6 +191,7 @@ class AdamBF16State(torch.optim.Optimizer):
                         local, _local(grad), _local(state["exp_avg"]),
                         _local(state["exp_avg_sq"]), state["step"], lr, beta1, beta2,
                         group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
+                        None if divisor is None else divisor.to(local.device),
                     )
         return loss
 

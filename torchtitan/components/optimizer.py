@@ -82,12 +82,13 @@ class OptimizersContainer(Stateful):
 
     @property
     def clips_in_step(self) -> bool:
-        """Every optimizer is torch's fused Adam/AdamW, which can divide the gradients by a
-        device scalar inside its kernel (``grad_scale``, AMP's unscale): clipping then costs
-        no pass of its own over the gradients (:meth:`set_grad_divisor`)."""
+        """Every optimizer divides the gradients by a device scalar inside its kernel (torch's
+        fused Adam/AdamW with ``grad_scale``, AMP's unscale; the bfloat16-state AdamW):
+        clipping then costs no pass of its own over the gradients (:meth:`set_grad_divisor`)."""
         return bool(self.optimizers) and all(
-            getattr(opt, "_step_supports_amp_scaling", False)
-            and all(g.get("fused") for g in opt.param_groups)
+            getattr(opt, "divides_by_grad_scale", False)
+            or (getattr(opt, "_step_supports_amp_scaling", False)
+                and all(g.get("fused") for g in opt.param_groups))
             for opt in self.optimizers
         )
 
