@@ -187,6 +187,7 @@ def resolve_pipeline_layout(
     pp = cfg.pipeline_parallel_degree
     csv_path = cfg.pipeline_parallel_schedule_csv or None
     placement: dict[int, list[int]] | None = None
+    _refuse_unused_settings(cfg)
     if csv_path:
         schedule_class: type[_PipelineSchedule] = _PipelineScheduleRuntime
         placement = read_csv_stage_placement(csv_path)
@@ -304,6 +305,28 @@ def resolve_pipeline_layout(
     return PipelineLayout(
         schedule_class, num_stages, stage_ids, fqns_per_stage, csv_path, stage_ranks
     )
+
+
+def _refuse_unused_settings(cfg: Parallelism) -> None:
+    """ValueError for a setting the chosen way of cutting or scheduling would not use: a named
+    schedule beside a CSV action table, stage-size offsets beside explicitly listed stages."""
+    default = Parallelism()
+    if cfg.pipeline_parallel_schedule_csv and get_schedule_class(
+        cfg.pipeline_parallel_schedule
+    ) is not get_schedule_class(default.pipeline_parallel_schedule):
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule={cfg.pipeline_parallel_schedule!r} is not "
+            "used: pipeline_parallel_schedule_csv gives the schedule; drop one of them"
+        )
+    listed = [name for name in ("module_fqns_per_model_part", "pipeline_parallel_split_points")
+              if getattr(cfg, name)]
+    for name in ("pipeline_parallel_first_stage_less_layers",
+                 "pipeline_parallel_last_stage_less_layers"):
+        if listed and getattr(cfg, name) != getattr(default, name):
+            raise ValueError(
+                f"parallelism.{name}={getattr(cfg, name)} is not used: parallelism.{listed[0]} "
+                "lists each stage's modules; drop it"
+            )
 
 
 def pipeline_module_split(
