@@ -59,3 +59,35 @@ def test_a_named_schedule_beside_a_csv_schedule_is_refused(capsys, tmp_path):
     message = refusal(capsys, *PP2, *csv, "--parallelism.pipeline_parallel_schedule", "GPipe")
     assert "parallelism.pipeline_parallel_schedule='GPipe' is not used: " \
            "pipeline_parallel_schedule_csv gives the schedule; drop one of them" in message
+
+
+# --- optimizer: a resumed run uses this config's hyperparameters -----------------------------
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_resume_uses_this_configs_optimizer_settings(caplog, state_dtype):
+    """A checkpoint's param groups hold betas, eps, weight decay and AdamW-vs-Adam; loading it
+    used to put them in place of this config's without a word."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config.job_config import Optimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    saved = OptimizersContainer([model], Optimizer(name="AdamW", state_dtype=state_dtype))
+    model(torch.randn(2, 4)).sum().backward()
+    saved.step()
+    new = Optimizer(name="Adam", beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.0,
+                    state_dtype=state_dtype)
+    fresh = copy.deepcopy(model)  # a resumed run's model: no gradients yet
+    fresh.zero_grad(set_to_none=True)
+    resumed = OptimizersContainer([fresh], new)
+    resumed.load_state_dict(saved.state_dict())
+    for group in resumed.param_groups:
+        assert group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6
+        assert group["weight_decay"] == 0.0 and group["decoupled_weight_decay"] is False
+    assert resumed.optimizers[0].state[fresh.weight]["exp_avg"].abs().sum() > 0  # state loaded
+    assert "the optimizer uses this config's settings, not the checkpoint's: betas (0.9, 0.95) " \
+           "-> (0.8, 0.9), eps 1e-08 -> 1e-06, weight_decay 0.1 -> 0.0" in caplog.text

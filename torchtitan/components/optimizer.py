@@ -20,6 +20,11 @@ _OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 _KERNEL_KEYS = ("fused", "foreach")
 """Param-group keys that choose the kernel: the run's config sets them, not a checkpoint."""
 
+_CONFIG_KEYS = ("betas", "eps", "weight_decay", "decoupled_weight_decay")
+"""Param-group hyperparameters from ``[optimizer]`` (``decoupled_weight_decay``: AdamW vs Adam):
+a resumed run uses this config's, not the checkpoint's (the peak lr has its own rule:
+``lr_scheduler.reconcile_peak_lr``)."""
+
 
 def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     """Constructor kwargs for ``cfg.name`` (lr, betas, eps, weight decay, kernel choice)."""
@@ -118,18 +123,29 @@ class OptimizersContainer(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint's kernel choice (e.g. from a run with other optimizer.state_dtype or
-        # implementation) would replace this run's: keep this run's.
-        kernels = [[{k: g[k] for k in _KERNEL_KEYS if k in g} for g in opt.param_groups]
-                   for opt in self.optimizers]
+        # implementation) and hyperparameters would replace this run's: keep this run's.
+        kept = _KERNEL_KEYS + _CONFIG_KEYS
+        this_run = [[{k: g[k] for k in kept if k in g} for g in opt.param_groups]
+               for opt in self.optimizers]
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt, aliases in zip(self.model_parts, self._per_part, self.fqn_aliases):
             back = {saved: own for own, saved in aliases.items()}
             set_optimizer_state_dict(
                 part, opt, optim_state_dict=_renamed(state_dict, back), options=opts
             )
-        for opt, groups in zip(self.optimizers, kernels):
+        changed: dict[str, tuple[Any, Any]] = {}
+        for opt, groups in zip(self.optimizers, this_run):
             for group, keys in zip(opt.param_groups, groups):
+                for key in _CONFIG_KEYS:
+                    if key in keys and group.get(key) != keys[key]:
+                        changed.setdefault(key, (group.get(key), keys[key]))
                 group.update(keys)
+        if changed:
+            from torchtitan.tools.logging import logger
+
+            what = ", ".join(f"{key} {saved} -> {own}" for key, (saved, own) in changed.items())
+            logger.warning(f"Checkpoint: the optimizer uses this config's settings, not the "
+                           f"checkpoint's: {what}")
 
 
 def _renamed(flat_state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
