@@ -151,11 +151,13 @@ def dataloader_factory(
 
 
 def log_resolved_config(cfg: JobConfig, rank: int) -> None:
-    """Rank 0 prints (``job.print_config``) and saves (``job.save_config_file``) the config."""
+    """Rank 0 logs ``job.description``, prints (``job.print_config``) and saves
+    (``job.save_config_file``) the config."""
     if rank != 0:
         return
     from torchtitan.config.toml_io import config_to_toml, save_config
 
+    logger.info(f"Job: {cfg.job.description}")
     if cfg.job.print_config:
         logger.info(f"Resolved config:\n{config_to_toml(cfg)}")
     if cfg.job.save_config_file:

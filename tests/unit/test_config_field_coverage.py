@@ -165,10 +165,11 @@ def test_planned_entries_are_still_unread(files):
 
 
 def test_a_stale_planned_entry_is_caught(files):
-    planned = {**PLANNED_FIELDS, "job.description": "a feature that got built"}
-    reader = {"torchtitan/job.py": scan_source("def f(cfg):\n    return cfg.job.description\n")}
+    planned = {**PLANNED_FIELDS, "job.use_for_integration_test": "a feature that got built"}
+    source = "def f(cfg):\n    return cfg.job.use_for_integration_test\n"
+    reader = {"torchtitan/job.py": scan_source(source)}
     assert stale_planned(planned, files) == []
-    assert stale_planned(planned, {**files, **reader}) == ["job.description"]
+    assert stale_planned(planned, {**files, **reader}) == ["job.use_for_integration_test"]
 
 
 def test_an_added_unread_field_is_caught(files):

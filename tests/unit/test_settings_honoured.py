@@ -91,3 +91,19 @@ def test_resume_uses_this_configs_optimizer_settings(caplog, state_dtype):
     assert resumed.optimizers[0].state[fresh.weight]["exp_avg"].abs().sum() > 0  # state loaded
     assert "the optimizer uses this config's settings, not the checkpoint's: betas (0.9, 0.95) " \
            "-> (0.8, 0.9), eps 1e-08 -> 1e-06, weight_decay 0.1 -> 0.0" in caplog.text
+
+
+# --- job.description: logged at start, as its help says --------------------------------------
+def test_job_description_is_logged_by_rank_zero(caplog):
+    import logging
+
+    from torchtitan.build import log_resolved_config
+    from torchtitan.config.job_config import JobConfig
+
+    cfg = JobConfig()
+    cfg.job.description = "ablation 7: no weight decay"
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        log_resolved_config(cfg, rank=1)
+        assert "ablation 7" not in caplog.text
+        log_resolved_config(cfg, rank=0)
+    assert "Job: ablation 7: no weight decay" in caplog.text

@@ -38,7 +38,6 @@ PLANNED_FIELDS: dict[str, str] = {}
 METADATA_FIELDS: dict[str, str] = {
     "job.config_file": "set by the config manager to the file the config was read from",
     "job.custom_config_module": "read by the config manager to pick the config class",
-    "job.description": "free text naming the job; kept in the saved config",
     "job.use_for_integration_test": "marks a bundled config for the integration test suite",
 }
 """Field -> why no training code acts on it."""
