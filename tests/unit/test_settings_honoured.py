@@ -107,3 +107,21 @@ def test_job_description_is_logged_by_rank_zero(caplog):
         assert "ablation 7" not in caplog.text
         log_resolved_config(cfg, rank=0)
     assert "Job: ablation 7: no weight decay" in caplog.text
+
+
+# --- validation.enable with a frequency no step reaches --------------------------------------
+@pytest.mark.parametrize(("freq", "warned"), [(50, True), (10, False)])
+def test_validation_that_no_step_reaches_is_warned(caplog, freq, warned):
+    from types import SimpleNamespace
+
+    from torchtitan.components.validate import build_validator
+    from torchtitan.config.job_config import JobConfig
+
+    cfg = JobConfig()
+    cfg.training.steps, cfg.validation.enable, cfg.validation.freq = 10, True, freq
+    dims = SimpleNamespace(mesh_local_rank=lambda _: 0)
+    run = SimpleNamespace(job_config=cfg, parallel_dims=dims, pipeline=None, model_parts=[None],
+                          loss_fn=None, device="cpu", loss_mesh=None)
+    build_validator(run)
+    line = "validation.freq=50 > training.steps=10: the training loop validates at no step"
+    assert (line in caplog.text) is warned

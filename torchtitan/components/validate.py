@@ -103,6 +103,14 @@ def build_validator(run: RunParts) -> Validator:
     from torchtitan.step import loss_context, model_inputs, sequence_context
 
     val = run.job_config.validation
+    steps = run.job_config.training.steps
+    if val.freq > steps:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"validation.freq={val.freq} > training.steps={steps}: the training loop validates "
+            "at no step; lower --validation.freq to validate during training"
+        )
     dp_rank = run.parallel_dims.mesh_local_rank("dp")
 
     def build():
