@@ -125,3 +125,13 @@ def test_validation_that_no_step_reaches_is_warned(caplog, freq, warned):
     build_validator(run)
     line = "validation.freq=50 > training.steps=10: the training loop validates at no step"
     assert (line in caplog.text) is warned
+
+
+# --- an upstream flag this build refuses: the error alone, no "is ignored" line before it ---
+def test_refused_upstream_flag_prints_only_the_error(capsys, caplog):
+    message = refusal(capsys, "--parallelism.expert_parallel_comm_backend", "deepep")
+    assert "parallelism.expert_parallel_comm_backend='deepep' is not built in" in message
+    assert "is ignored" not in caplog.text
+    accepted(capsys, "--parallelism.expert_parallel_comm_backend", "standard")
+    # upstream's default is still dropped with its warning
+    assert "obsolete flag --parallelism.expert_parallel_comm_backend is ignored" in caplog.text

@@ -186,11 +186,11 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
                 value, i = _value(argv, i, inline, name)
                 if rule.transform is None and rule.new in fields:
                     value = _convert(value, fields[rule.new], f"--{name}")
-            legacy.warn(legacy.describe(rule, target, flag=True))
             try:
                 ops.extend(rule.ops(value))
-            except legacy.LegacyValueError as exc:
+            except legacy.LegacyValueError as exc:  # refused: no "is ignored" line before it
                 raise ConfigError(str(exc)) from exc
+            legacy.warn(legacy.describe(rule, target, flag=True))
             continue
 
         field = fields.get(target)
