@@ -126,7 +126,7 @@ class OptimizersContainer(Stateful):
         # implementation) and hyperparameters would replace this run's: keep this run's.
         kept = _KERNEL_KEYS + _CONFIG_KEYS
         this_run = [[{k: g[k] for k in kept if k in g} for g in opt.param_groups]
-               for opt in self.optimizers]
+                    for opt in self.optimizers]
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         for part, opt, aliases in zip(self.model_parts, self._per_part, self.fqn_aliases):
             back = {saved: own for own, saved in aliases.items()}
