@@ -243,9 +243,11 @@ class Trainer(Stateful):
         logger.info(f"Training starts at step {self.step + 1}")
         dump_folder = cfg.job.dump_folder
         with (
-            maybe_enable_profiling(cfg.profiling, dump_folder, global_step=self.step) as profiler,
+            maybe_enable_profiling(
+                cfg.profiling, dump_folder, global_step=self.step, last_step=cfg.training.steps
+            ) as profiler,
             maybe_enable_memory_snapshot(
-                cfg.profiling, dump_folder, global_step=self.step
+                cfg.profiling, dump_folder, global_step=self.step, last_step=cfg.training.steps
             ) as memory_profiler,
             flight_recorder.CollectiveWatchdog(cfg.comm, dump_folder) as watchdog,
         ):

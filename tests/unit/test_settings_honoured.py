@@ -135,3 +135,64 @@ def test_refused_upstream_flag_prints_only_the_error(capsys, caplog):
     accepted(capsys, "--parallelism.expert_parallel_comm_backend", "standard")
     # upstream's default is still dropped with its warning
     assert "obsolete flag --parallelism.expert_parallel_comm_backend is ignored" in caplog.text
+
+
+# --- profiling with a profile_freq that no step of the run reaches ---------------------------
+def _trace_steps(tmp_path, cfg, start: int, last: int, last_step: int | None) -> list[str]:
+    """Run the profiler over steps ``start + 1 .. last``; the ``iteration_N`` folders written."""
+    import torch
+
+    from torchtitan.tools.profiling import maybe_enable_profiling
+
+    with maybe_enable_profiling(cfg, str(tmp_path), global_step=start, last_step=last_step,
+                                rank=0) as prof:
+        for _ in range(start, last):
+            torch.ones(2).sum()
+            if prof is not None:
+                prof.step()
+    root = tmp_path / cfg.save_traces_folder
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+@pytest.mark.parametrize(
+    ("freq", "warmup", "active", "start", "last"),
+    [(50, 3, 1, 0, 10), (10, 3, 1, 0, 9), (10, 3, 1, 0, 10), (10, 3, 1, 10, 19),
+     (10, 3, 1, 9, 10), (10, 3, 1, 15, 20), (4, 0, 4, 5, 7), (4, 0, 4, 5, 8)],
+)
+def test_profiling_that_writes_no_trace_is_warned(caplog, tmp_path, freq, warmup, active, start,
+                                                  last):
+    from torchtitan.config.job_config import Profiling
+
+    cfg = Profiling(enable_profiling=True, profile_freq=freq, profiler_warmup=warmup,
+                    profiler_active=active)
+    written = _trace_steps(tmp_path / "unchecked", cfg, start, last, last_step=None)
+    caplog.clear()
+    checked = _trace_steps(tmp_path / "checked", cfg, start, last, last_step=last)
+    warned = "profiling.enable_profiling writes no trace: " in caplog.text
+    assert warned == (written == []), (written, caplog.text)
+    assert checked == written
+    if (freq, start) == (50, 0):
+        assert "profiling.profile_freq=50 > training.steps=10; lower --profiling.profile_freq" \
+            in caplog.text
+    if (freq, start, last) == (10, 10, 19):
+        assert "this run does steps 11..19 and none is a multiple of profiling.profile_freq=10" \
+            in caplog.text
+
+
+@pytest.mark.parametrize(("freq", "warned"), [(50, True), (10, False)])
+def test_memory_snapshot_that_no_step_reaches_is_warned(caplog, monkeypatch, tmp_path, freq,
+                                                        warned):
+    import torch
+
+    from torchtitan.config.job_config import Profiling
+    from torchtitan.tools.profiling import maybe_enable_memory_snapshot
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    cfg = Profiling(enable_memory_snapshot=True, profile_freq=freq)
+    with maybe_enable_memory_snapshot(cfg, str(tmp_path), global_step=0, last_step=10,
+                                      rank=0) as mem:
+        assert mem is not None  # still recording: an out-of-memory error writes its snapshot
+    line = ("profiling.enable_memory_snapshot writes a snapshot only on out-of-memory: "
+            "profiling.profile_freq=50 > training.steps=10")
+    assert (line in caplog.text) is warned

@@ -35,6 +35,7 @@ __all__ = [
     "MemoryProfiler",
     "maybe_enable_memory_snapshot",
     "maybe_enable_profiling",
+    "periodic_steps_in_run",
     "profiler_schedule_wait",
 ]
 
@@ -65,20 +66,48 @@ def profiler_schedule_wait(cfg: Profiling) -> int:
     return wait
 
 
+def periodic_steps_in_run(freq: int, global_step: int, last_step: int | None) -> bool:
+    """True when a step in ``global_step + 1 .. last_step`` is a multiple of ``freq``.
+
+    Traces and snapshots are written on exactly those steps (the profiler schedule is aligned
+    on absolute steps, a resumed run included), so False means the run writes none.
+    """
+    return last_step is None or last_step // freq > global_step // freq
+
+
+def _warn_no_periodic_step(what: str, cfg: Profiling, global_step: int, last_step: int) -> None:
+    if global_step >= last_step:  # no step left to run: nothing to miss
+        return
+    freq = f"profiling.profile_freq={cfg.profile_freq}"
+    why = (f"{freq} > training.steps={last_step}" if global_step == 0 else
+           f"this run does steps {global_step + 1}..{last_step} and none is a multiple of {freq}")
+    logger.warning(f"{what}: {why}; lower --profiling.profile_freq")
+
+
 @contextlib.contextmanager
 def maybe_enable_profiling(
-    cfg: Profiling, dump_folder: str, *, global_step: int = 0, rank: int | None = None
+    cfg: Profiling,
+    dump_folder: str,
+    *,
+    global_step: int = 0,
+    last_step: int | None = None,
+    rank: int | None = None,
 ) -> Iterator[torch.profiler.profile | None]:
     """torch.profiler over the loop when ``profiling.enable_profiling``; yields it (or None).
 
     Every ``profile_freq`` steps the last ``profiler_active`` steps (after ``profiler_warmup``
     warm-up steps) are written as a chrome trace per rank. ``global_step`` is the step already
-    done (resume), so folder numbers stay training-step numbers.
+    done (resume), so folder numbers stay training-step numbers. When no step up to
+    ``last_step`` ends a cycle it warns once and yields None.
     """
     if not cfg.enable_profiling:
         yield None
         return
     wait = profiler_schedule_wait(cfg)
+    if not periodic_steps_in_run(cfg.profile_freq, global_step, last_step):
+        _warn_no_periodic_step("profiling.enable_profiling writes no trace", cfg, global_step, last_step)
+        yield None
+        return
     rank = _rank() if rank is None else rank
     trace_root = os.path.join(dump_folder, cfg.save_traces_folder)
 
@@ -156,13 +185,19 @@ class MemoryProfiler:
 
 @contextlib.contextmanager
 def maybe_enable_memory_snapshot(
-    cfg: Profiling, dump_folder: str, *, global_step: int = 0, rank: int | None = None
+    cfg: Profiling,
+    dump_folder: str,
+    *,
+    global_step: int = 0,
+    last_step: int | None = None,
+    rank: int | None = None,
 ) -> Iterator[MemoryProfiler | None]:
     """Allocator-history snapshots when ``profiling.enable_memory_snapshot`` (CUDA only).
 
     On an out-of-memory error the snapshot of the failing step is written to
     ``iteration_N_exit/`` and the error is re-raised. Without CUDA it logs one warning and
-    yields None: training goes on without snapshots.
+    yields None: training goes on without snapshots. When no step up to ``last_step`` is a
+    snapshot step it warns (the history is still recorded for the out-of-memory dump).
     """
     if not cfg.enable_memory_snapshot:
         yield None
@@ -177,6 +212,11 @@ def maybe_enable_memory_snapshot(
         return
     if cfg.profile_freq < 1:
         raise ValueError(f"profiling.profile_freq={cfg.profile_freq} must be >= 1")
+    if not periodic_steps_in_run(cfg.profile_freq, global_step, last_step):
+        _warn_no_periodic_step(
+            "profiling.enable_memory_snapshot writes a snapshot only on out-of-memory", cfg,
+            global_step, last_step,
+        )
     folder = os.path.join(dump_folder, cfg.save_memory_snapshot_folder)
     profiler = MemoryProfiler(folder, cfg.profile_freq, global_step, rank)
     logger.info(f"Memory snapshots every {cfg.profile_freq} steps in {folder}")
