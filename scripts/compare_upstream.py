@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run this project with FLAGS added (e.g. 'logits=--training."
                    "loss_implementation logits', to measure one lever); a row per variant")
+    p.add_argument("--both-flags", default="", metavar="FLAGS",
+                   help="flags both trainers get on every run (e.g. '--profiling."
+                        "enable_profiling --profiling.profile_freq 20': both spell them alike)")
     p.add_argument("--run-timeout", type=float, default=300, help="seconds per trainer run")
     p.add_argument("--out", type=Path, help="write the markdown table (for docs/performance.md)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -121,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--ours-variant {spec!r}: expected NAME=FLAGS, e.g. "
                     "'logits=--training.loss_implementation logits'")
         args.variants[name.strip()] = shlex.split(flags)
+    args.both_flags = shlex.split(args.both_flags)
     return args
 
 
@@ -138,7 +142,7 @@ def common_flags(args, flavor: str, dump: Path) -> list[str]:
              str(args.batch), "--training.steps", str(args.steps),
              "--training.mixed_precision_param", "bfloat16", "--metrics.log_freq",
              str(args.log_freq), "--metrics.disable_color_printing", "--job.dump_folder", str(dump)]
-    return flags + (["--compile.enable"] if args.compile else [])
+    return flags + (["--compile.enable"] if args.compile else []) + args.both_flags
 
 
 def _pythonpath(*paths: Path) -> str:

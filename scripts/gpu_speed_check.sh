@@ -7,6 +7,9 @@
 #                                                   # output shape; the memory estimate vs the GPU
 #   scripts/gpu_speed_check.sh WHEELS OUT optim     # ~4 min: bf16 (only) with the opt-in bf16
 #                                                   # optimizer state as a variant
+#   scripts/gpu_speed_check.sh WHEELS OUT profile   # ~3 min: bf16, ours / levers off / upstream
+#                                                   # traced (torch.profiler, 2 steps each): GPU
+#                                                   # time per step by kernel category
 #
 # WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
 # machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
@@ -14,9 +17,10 @@
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
 # SMOKE=1 runs the same plumbing on the CPU at toy sizes (no figure is a measurement).
 set -u
-wheels=${1:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
-out=${2:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
-phase=${3:?usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim}
+usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim|profile"
+wheels=${1:?$usage}
+out=${2:?$usage}
+phase=${3:?$usage}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 work=${WORK:-/tmp/compare_upstream}
@@ -27,12 +31,18 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disa
 LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step"
 if [[ ${SMOKE:-0} == 1 ]]; then
     SETTINGS=(--device cpu --settings bf16) OPTIM_SETTINGS=(--device cpu --settings bf16)
+    PROFILE_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 1 --warmup 1)
+    PROFILE_STEPS=4
     LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
     MEMORY_CONFIG=(train_configs/debug_model.toml --training.seq_len 64
                    --training.local_batch_size 2)
     LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step"
 else
     SETTINGS=(--settings bf16,float8) OPTIM_SETTINGS=(--settings bf16)
+    PROFILE_RUN=(--settings "${PROFILE_SETTINGS:-bf16}" --steps 20 --log-freq 5 --warmup 10)
+    PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS:-bf16}
+    PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS_LIST//,/ }
+    PROFILE_STEPS=20
     LOSS_SHAPE=(--device cuda --tokens 8192 --dim 4096 --vocab 128256 --dtype bfloat16 --compile
                 --chunk 8192)
     MEMORY_CONFIG=(train_configs/llama3_8b.toml --training.local_batch_size 1
@@ -71,8 +81,25 @@ optim)
         --out "$out/table_optim.md"
     cat "$out/table_optim.md" >>"$out/summary.txt" 2>/dev/null
     ;;
+profile)
+    # both trainers trace their last 2 steps with the same torch.profiler options; the table
+    # is no measurement (the traced steps are slower), the breakdowns say where time goes
+    trace="--profiling.enable_profiling --profiling.save_traces_folder profile_traces \
+--profiling.profile_freq $PROFILE_STEPS --profiling.profiler_warmup 1 --profiling.profiler_active 2"
+    rm -rf "$work"/dumps/*/profile_traces  # an earlier profile run's
+    step profile 560 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        "${PROFILE_RUN[@]}" --ours-variant "levers_off=$LEVERS_OFF" --both-flags "$trace" \
+        --out "$out/table_profile.md"
+    for setting in ${PROFILE_SETTINGS_LIST:-bf16}; do
+        step "breakdown_$setting" 120 "$py" scripts/kernel_breakdown.py \
+            "ours=$work/dumps/ours_${setting}_0" \
+            "levers_off=$work/dumps/ours-levers_off_${setting}_0" \
+            "upstream=$work/dumps/upstream_${setting}_0" --json "$out/breakdown_$setting.json"
+        { echo "### $setting"; cat "$out/breakdown_$setting.log"; } >>"$out/summary.txt"
+    done
+    ;;
 *)
-    echo "error: unknown phase '$phase' (harness, levers or optim)" >&2
+    echo "error: unknown phase '$phase' (harness, levers, optim or profile)" >&2
     exit 2
     ;;
 esac

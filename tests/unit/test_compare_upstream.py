@@ -224,6 +224,18 @@ def test_ours_variant_adds_flags_and_a_run_per_setting(cu, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --ours-variant 'no flags here': expected")
 
 
+def test_both_flags_reach_every_run_of_both_sides(cu, tmp_path):
+    trace = "--profiling.enable_profiling --profiling.profile_freq 20"
+    args = cu.parse_args(["--work-dir", str(tmp_path), "--both-flags", trace,
+                          "--ours-variant", "off=--optimizer.no_clip_in_step"])
+    for side in ("ours", "ours:off", "upstream"):
+        cmd = cu.build_run(args, side, "bf16", 0)[0]
+        at = cmd.index("--profiling.enable_profiling")
+        assert cmd[at:at + 3] == trace.split(), side
+    assert "--profiling.enable_profiling" not in cu.build_run(
+        cu.parse_args(["--work-dir", str(tmp_path)]), "ours", "bf16", 0)[0]
+
+
 @pytest.mark.slow  # ~25 s: the loss benchmark and the memory comparison at toy sizes
 def test_gpu_speed_check_levers_phase_runs_on_the_cpu(tmp_path):
     """The prepared GPU script's plumbing (SMOKE=1: CPU, toy sizes; no upstream needed)."""
