@@ -196,3 +196,29 @@ def test_memory_snapshot_that_no_step_reaches_is_warned(caplog, monkeypatch, tmp
     line = ("profiling.enable_memory_snapshot writes a snapshot only on out-of-memory: "
             "profiling.profile_freq=50 > training.steps=10")
     assert (line in caplog.text) is warned
+
+
+# --- comm.trace_buf_size beside an exported TORCH_FR_BUFFER_SIZE -----------------------------
+@pytest.mark.parametrize(
+    ("name", "exported", "warned"),
+    [("TORCH_FR_BUFFER_SIZE", "5000", True), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "0", True),
+     ("TORCH_FR_BUFFER_SIZE", "64", False)],
+)
+def test_trace_buf_size_wins_over_the_environment(caplog, monkeypatch, tmp_path, name, exported,
+                                                  warned):
+    import os
+
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.tools.flight_recorder import configure_env
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "RANK")}
+    monkeypatch.setattr(os, "environ", {**env, name: exported})  # nothing leaks to other tests
+    comm = JobConfig().comm
+    comm.trace_buf_size = 64
+    configure_env(comm, str(tmp_path), "cpu")
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "64"
+    line = (f"{name}={exported} from the environment is overridden by comm.trace_buf_size=64: "
+            f"Flight Recorder keeps 64 entries per rank; to keep the exported size pass "
+            f"--comm.trace_buf_size {exported}")
+    assert (line in caplog.text) is warned

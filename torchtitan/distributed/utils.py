@@ -27,10 +27,12 @@ def backend_for(device_type: str) -> str:
 
 
 def init_distributed(comm: Comm, device_type: str) -> None:
-    """Initialise the default process group (nccl on CUDA, gloo on CPU) with ``comm`` timeouts."""
+    """Initialise the default process group (nccl on CUDA, gloo on CPU) with ``comm`` timeouts.
+
+    Call :func:`torchtitan.tools.flight_recorder.configure_env` first (Flight Recorder size).
+    """
     if dist.is_initialized():
         return
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
     backend = backend_for(device_type)
     if device_type == "cuda":
         backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side work such as async checkpoint staging

@@ -45,6 +45,7 @@ __all__ = [
     "is_collective_failure",
     "last_collectives",
     "read_trace",
+    "set_buffer_size",
     "trace_path",
 ]
 
@@ -69,10 +70,10 @@ def configure_env(comm: Comm, dump_folder: str, device_type: str) -> None:
 
     ``comm.trace_buf_size`` entries are kept per rank (0 turns FR off). On CUDA, NCCL's watchdog
     is told to dump to ``{dump_folder}/{save_traces_folder}/{prefix}<rank>`` on a timeout.
-    Variables the user already set are left alone.
+    The buffer size is always the config's (:func:`set_buffer_size`); the ``TORCH_NCCL_*``
+    variables the user already set are left alone.
     """
-    # TORCH_FR_BUFFER_SIZE is the name since torch 2.8 (TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated).
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(comm.trace_buf_size))
+    set_buffer_size(comm)
     if device_type != "cuda" or comm.trace_buf_size <= 0:
         return
     folder = os.path.join(dump_folder, comm.save_traces_folder)
@@ -83,6 +84,28 @@ def configure_env(comm: Comm, dump_folder: str, device_type: str) -> None:
     )
     # FR dumps need the "skip clean-up" error handling mode (pytorch issue 121055).
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+
+
+def set_buffer_size(comm: Comm) -> None:
+    """Set ``TORCH_FR_BUFFER_SIZE`` to ``comm.trace_buf_size``, which wins over the environment.
+
+    The config is what the run records and what the watchdog relies on (0 = no entries), so a
+    differing exported value is overridden with one warning (rank 0) naming both.
+    """
+    value = comm.trace_buf_size
+    # TORCH_FR_BUFFER_SIZE is the name since torch 2.8 (TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated
+    # and loses to it): an exported value under either name is replaced.
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        exported = os.environ.get(name)
+        if exported is None or exported.strip() == str(value):
+            continue
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning(
+                f"{name}={exported} from the environment is overridden by comm.trace_buf_size="
+                f"{value}: Flight Recorder keeps {value} entries per rank; to keep the exported "
+                f"size pass --comm.trace_buf_size {exported}"
+            )
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(value)
 
 
 def is_collective_failure(err: BaseException) -> bool:
