@@ -22,6 +22,7 @@ from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
 from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
+from torchtitan.distributed.compile import validate_compile_components
 from torchtitan.distributed.mixed_precision import compute_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import ModelSpec, get_model_spec
@@ -232,6 +233,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
         check_context_parallel(cfg, model_args, parallel_dims.cp)
     check_validation_seq_len(cfg.validation, model_args)
     check_loss_settings(cfg.training)
+    validate_compile_components(cfg.compile)
     check_early_step(cfg, parallel_dims)
     check_state_dtype(cfg.optimizer)
     _check_model_shapes(cfg, parallel_dims, spec, model_args)

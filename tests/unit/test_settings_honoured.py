@@ -222,3 +222,22 @@ def test_trace_buf_size_wins_over_the_environment(caplog, monkeypatch, tmp_path,
             f"Flight Recorder keeps 64 entries per rank; to keep the exported size pass "
             f"--comm.trace_buf_size {exported}")
     assert (line in caplog.text) is warned
+
+
+# --- compile.enable with nothing to compile --------------------------------------------------
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--compile.enable", "--compile.components", ""],
+      "error: compile.enable compiles nothing: compile.components is empty; name what to "
+      "compile (--compile.components model,loss) or drop --compile.enable"),
+     (["--compile.enable", "--compile.components", "modle"],
+      "error: compile.components has unknown entries ['modle']; use any of ['model', 'loss']")],
+)
+def test_compile_that_compiles_nothing_is_refused(capsys, flags, needle):
+    assert refusal(capsys, *flags).strip() == needle
+
+
+@pytest.mark.parametrize("flags", [["--compile.enable", "--compile.components", "loss"],
+                                   ["--compile.components", ""]])
+def test_compile_of_something_or_compile_off_is_accepted(capsys, flags):
+    accepted(capsys, *flags)

@@ -40,11 +40,17 @@ def isolate_compile_cache(rank: int, world_size: int) -> str | None:
 
 
 def validate_compile_components(cfg: Compile) -> None:
-    """Raise ValueError for an unknown entry of ``compile.components``."""
+    """Raise ValueError for an unknown entry of ``compile.components``, or for
+    ``compile.enable`` with no component (it would compile nothing). Part of the plan."""
     unknown = [c for c in cfg.components if c not in COMPILE_COMPONENTS]
     if unknown:
         raise ValueError(
             f"compile.components has unknown entries {unknown}; use any of {list(COMPILE_COMPONENTS)}"
+        )
+    if cfg.enable and not cfg.components:
+        raise ValueError(
+            "compile.enable compiles nothing: compile.components is empty; name what to compile "
+            f"(--compile.components {','.join(COMPILE_COMPONENTS)}) or drop --compile.enable"
         )
 
 
