@@ -27,8 +27,9 @@ work=${WORK:-/tmp/compare_upstream}
 py=$(command -v python3 || command -v python)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled
 # The levers at their defaults against the same build with them off: the plain logits loss,
-# PyTorch's usual SDPA kernel on Hopper (flash), clipping by rescaling every gradient.
-LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step"
+# PyTorch's usual SDPA kernel on Hopper (flash), clipping by rescaling every gradient,
+# autocast casting every weight and gradient.
+LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step --training.weight_copies off"
 if [[ ${SMOKE:-0} == 1 ]]; then
     SETTINGS=(--device cpu --settings bf16) OPTIM_SETTINGS=(--device cpu --settings bf16)
     PROFILE_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 1 --warmup 1)
@@ -36,7 +37,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
     MEMORY_CONFIG=(train_configs/debug_model.toml --training.seq_len 64
                    --training.local_batch_size 2)
-    LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step"
+    LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step --training.weight_copies off"
 else
     SETTINGS=(--settings bf16,float8) OPTIM_SETTINGS=(--settings bf16)
     PROFILE_RUN=(--settings "${PROFILE_SETTINGS:-bf16}" --steps 20 --log-freq 5 --warmup 10)

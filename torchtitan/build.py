@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.chunked_loss import choose_loss_path, precomputed_loss
@@ -21,6 +22,11 @@ from torchtitan.components.converters import ModelConverters, build_converters
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer_in_backward import build_optimizers_in_backward
+from torchtitan.components.weight_copies import (
+    WeightCopies,
+    build_weight_copies,
+    choose_weight_copies,
+)
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode
@@ -77,6 +83,8 @@ class RunParts:
     """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
     loss_parallel: bool
     loss_in_model: bool = False
+    weight_copies: WeightCopies | None = None
+    """Low-precision copies of the linear weights the step runs on (``training.weight_copies``)."""
     """The model's output head computes the summed loss (``model(tokens, labels=labels)``,
     the chunked loss); ``loss_fn`` then only passes it on."""
     converters: ModelConverters = field(default_factory=ModelConverters)
@@ -164,6 +172,24 @@ def log_resolved_config(cfg: JobConfig, rank: int) -> None:
         path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
         save_config(cfg, path)
         logger.info(f"Saved the resolved config to {path}")
+
+
+def _weight_copies(cfg: JobConfig, parallel_dims: ParallelDims, autocast: torch.dtype | None,
+                   model_parts: list[nn.Module], device_type: str) -> WeightCopies | None:
+    """The run's weight copies (``training.weight_copies``), logged in one line; None: none."""
+    if not choose_weight_copies(cfg, parallel_dims, autocast, device_type):
+        return None
+    copies = build_weight_copies(model_parts, autocast)
+    if not copies:
+        if cfg.training.weight_copies == "on":
+            raise ValueError("training.weight_copies=on cannot apply: the model has no plain "
+                             "linear layer weights to copy")
+        return None
+    n = sum(w.numel() for w in copies.masters)
+    logger.info(f"Weight copies: {len(copies)} linear weights ({n:,} parameters) in "
+                f"{str(autocast).removeprefix('torch.')}, written by the optimizer step "
+                "(--training.weight_copies off: autocast casts them every step)")
+    return copies
 
 
 def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None = None) -> RunParts:
@@ -271,7 +297,9 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     f"debug.moe_force_load_balance has no effect: {cfg.model.name} "
                     f"{cfg.model.flavor} has no MoE layers"
                 )
-            optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer)
+            weight_copies = _weight_copies(cfg, parallel_dims, autocast, model_parts,
+                                           device.type if comm_mode.computes_values else "cuda")
+            optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer, weight_copies)
             if tied is not None:
                 optimizers.fqn_aliases = [tied.optimizer_aliases(part) for part in model_parts]
             lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
@@ -305,6 +333,7 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         moe_layers=layers,
         compute_dtype=compute_dtype(cfg.training, parallel_dims),
         loss_in_model=loss_in_model,
+        weight_copies=weight_copies,
         loss_parallel=parallel_dims.loss_parallel_enabled
         and not cfg.parallelism.disable_loss_parallel,
         converters=converters,

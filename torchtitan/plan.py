@@ -20,10 +20,11 @@ from torchtitan.components.chunked_loss import check_loss_settings
 from torchtitan.components.converters import check_converters
 from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
+from torchtitan.components.weight_copies import check_weight_copies
 from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed.compile import validate_compile_components
-from torchtitan.distributed.mixed_precision import compute_dtype
+from torchtitan.distributed.mixed_precision import autocast_dtype, compute_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import ModelSpec, get_model_spec
 from torchtitan.models.common.document_mask import (
@@ -236,6 +237,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     validate_compile_components(cfg.compile)
     check_early_step(cfg, parallel_dims)
     check_state_dtype(cfg.optimizer)
+    check_weight_copies(cfg, parallel_dims, autocast_dtype(cfg.training, parallel_dims))
     _check_model_shapes(cfg, parallel_dims, spec, model_args)
     return RunPlan(
         parallel_dims=parallel_dims,

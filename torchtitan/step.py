@@ -148,7 +148,9 @@ def compute_gradients(
     loss_mesh = run.loss_mesh
     n_loss_ranks = 1 if loss_mesh is None else loss_mesh.size()
     run.step_tokens, scale = _loss_scale(run, microbatches)
-    with run.comm_mode.step():
+    copies = (run.weight_copies.active() if run.weight_copies is not None
+              else contextlib.nullcontext())  # the copies stand in through the norm
+    with run.comm_mode.step(), copies:
         local_loss = torch.zeros((), device=run.device)
         for i, (inputs, labels) in enumerate(microbatches):
             run.optimizers.before_backward(final=i == len(microbatches) - 1)

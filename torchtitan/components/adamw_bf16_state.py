@@ -82,34 +82,41 @@ def adam_bf16_state_step(
     weight_decay: float,
     decoupled: bool,
     grad_divisor: Tensor | None = None,
+    weight_copy: Tensor | None = None,
 ) -> None:
     """One Adam(W) step of one (local) parameter, in float32; the moments are stored rounded to
     their own dtype. ``step`` (already counting this step) and ``lr`` are 0-dim float32;
     ``grad_divisor`` (0-dim float32, e.g. the clip factor) divides the gradient as it is read,
-    before weight decay, as torch's fused kernel does with its ``grad_scale``."""
+    before weight decay, as torch's fused kernel does with its ``grad_scale``;
+    ``weight_copy`` (a low-precision copy of ``p``, ``training.weight_copies``) is written from
+    the updated weight."""
     p32 = p.float()  # p itself when float32: updated in place
     g = grad.float()
     if grad_divisor is not None:
-        g = g / grad_divisor
+        g = g / grad_divisor if g is grad else g.div_(grad_divisor)
     if weight_decay != 0:
         if decoupled:
             p32.mul_(1 - lr * weight_decay)
         else:
             g = g.add(p32, alpha=weight_decay)
-    # float32 copies of the moments, worked on in place (eagerly: two temporaries)
+    # the moments in float32: float32 state in place, bfloat16 state widened (eagerly, e.g.
+    # the CPU or the memory estimate: as few full-size temporaries as the math allows)
     m, v = exp_avg.float(), exp_avg_sq.float()
-    if exp_avg.dtype == torch.float32:
-        m, v = m.clone(), v.clone()
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step).sqrt()
-    denom = v.sqrt_().div_(bias_correction2_sqrt).add_(eps)
-    p32.sub_(m.div_(denom).mul_(lr / bias_correction1))
+    denom = v.sqrt() if v is exp_avg_sq else v.sqrt_()
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    update = torch.div(m, denom, out=denom) if m is exp_avg else m.div_(denom)
+    p32.sub_(update.mul_(lr / bias_correction1))
     if p32 is not p:
         p.copy_(p32)
+    if weight_copy is not None:
+        weight_copy.copy_(p32)
 
 
 _compiled_step = None
@@ -137,6 +144,9 @@ class AdamBF16State(torch.optim.Optimizer):
 
     divides_by_grad_scale = True
     grad_scale: Tensor | None = None
+    weight_copies: Any = None
+    """A :class:`~torchtitan.components.weight_copies.WeightCopies`: a copied weight's
+    gradient is its copy's, and the step writes the copy."""
 
     def __init__(
         self,
@@ -171,9 +181,12 @@ class AdamBF16State(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             divisor = self.grad_scale
             for p in group["params"]:
-                if p.grad is None:
+                copy = self.weight_copies.copy_of(p) if self.weight_copies is not None else None
+                # a copied weight's gradient is its copy's (p.grad: what torch's checkpoint
+                # code sets to initialise the state before loading it)
+                grad = copy.grad if copy is not None and copy.grad is not None else p.grad
+                if grad is None:
                     continue
-                grad = p.grad
                 if isinstance(p, DTensor) and grad.placements != p.placements:
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 state = self.state[p]
@@ -192,8 +205,16 @@ class AdamBF16State(torch.optim.Optimizer):
                         _local(state["exp_avg_sq"]), state["step"], lr, beta1, beta2,
                         group["eps"], group["weight_decay"], group["decoupled_weight_decay"],
                         None if divisor is None else divisor.to(local.device),
+                        copy,
                     )
+                if copy is not None:
+                    self.weight_copies.written(p)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.weight_copies is not None:
+            self.weight_copies.zero_grad()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, keeping the moments in ``state_dtype`` (torch would cast them to the

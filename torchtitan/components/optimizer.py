@@ -43,15 +43,17 @@ def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     return kwargs
 
 
-def optimizer_class(cfg: OptimizerConfig) -> tuple[type, dict[str, Any]]:
-    """The optimizer class and its constructor kwargs for ``cfg`` (``state_dtype="bfloat16"``:
-    :class:`~torchtitan.components.adamw_bf16_state.AdamBF16State`)."""
+def optimizer_class(cfg: OptimizerConfig, own_step: bool = False) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and its constructor kwargs for ``cfg`` (``state_dtype="bfloat16"``,
+    or ``own_step`` (weight copies): :class:`~torchtitan.components.adamw_bf16_state.
+    AdamBF16State` with the state in ``state_dtype``)."""
     _check_name(cfg)
-    if cfg.state_dtype == "bfloat16":
+    if cfg.state_dtype == "bfloat16" or own_step:
         from torchtitan.components.adamw_bf16_state import AdamBF16State
 
         kwargs = {k: v for k, v in optimizer_kwargs(cfg).items() if k not in _KERNEL_KEYS}
-        return AdamBF16State, {**kwargs, "decoupled_weight_decay": cfg.name == "AdamW"}
+        return AdamBF16State, {**kwargs, "decoupled_weight_decay": cfg.name == "AdamW",
+                               "state_dtype": getattr(torch, cfg.state_dtype)}
     return _OPTIMIZERS[cfg.name], optimizer_kwargs(cfg)
 
 
@@ -62,13 +64,16 @@ class OptimizersContainer(Stateful):
     checkpoint does not depend on how the model was split into parts or sharded.
     """
 
-    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig) -> None:
+    def __init__(self, model_parts: list[nn.Module], cfg: OptimizerConfig,
+                 weight_copies: Any = None) -> None:
         self.model_parts = model_parts
-        cls, kwargs = optimizer_class(cfg)
+        cls, kwargs = optimizer_class(cfg, own_step=weight_copies is not None)
         self.optimizers: list[torch.optim.Optimizer] = []
         for part in model_parts:
             params = [p for p in part.parameters() if p.requires_grad]
             self.optimizers.append(_construct(cls, _groups_by_mesh(params), kwargs))
+            if weight_copies is not None:  # gradients from the copies, which the step writes
+                self.optimizers[-1].weight_copies = weight_copies
         self._per_part: list[Any] = list(self.optimizers)
         """Each part's optimizer (or list of optimizers): what its state dict is built from."""
         self.fqn_aliases: list[dict[str, str]] = [{} for _ in model_parts]
@@ -201,10 +206,12 @@ def _check_fused(params: list) -> None:
             _device_dtype_check_for_fused(p)
 
 
-def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig) -> OptimizersContainer:
+def build_optimizers(model_parts: list[nn.Module], cfg: OptimizerConfig,
+                     weight_copies: Any = None) -> OptimizersContainer:
     """Build the optimizers for ``model_parts`` from the ``[optimizer]`` section (with
-    ``early_step_in_backward``: ``optimizer_in_backward.build_optimizers_in_backward``)."""
-    return OptimizersContainer(model_parts, cfg)
+    ``early_step_in_backward``: ``optimizer_in_backward.build_optimizers_in_backward``;
+    ``weight_copies``: ``components/weight_copies.py``)."""
+    return OptimizersContainer(model_parts, cfg, weight_copies)
 
 
 def _check_name(cfg: OptimizerConfig) -> None:

@@ -42,12 +42,12 @@ __all__ = ["OptimizersInBackwardContainer", "build_optimizers_in_backward", "che
 
 
 def build_optimizers_in_backward(
-    model_parts: list[nn.Module], cfg: OptimizerConfig
+    model_parts: list[nn.Module], cfg: OptimizerConfig, weight_copies: Any = None
 ) -> OptimizersContainer:
     """The ``[optimizer]`` section's optimizers: one per parameter, stepped in backward, with
-    ``early_step_in_backward``; else the usual container."""
+    ``early_step_in_backward``; else the usual container (with ``weight_copies``)."""
     if not cfg.early_step_in_backward:
-        return build_optimizers(model_parts, cfg)
+        return build_optimizers(model_parts, cfg, weight_copies)
     return OptimizersInBackwardContainer(model_parts, *optimizer_class(cfg))
 
 

@@ -125,10 +125,12 @@ def build_validator(run: RunParts) -> Validator:
         def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs) -> torch.Tensor:
             return pipeline.eval_loss(inputs, labels, **kwargs)
     else:
-        model, loss_fn = run.model_parts[0], run.loss_fn
+        model, loss_fn, copies = run.model_parts[0], run.loss_fn, run.weight_copies
 
         def batch_loss(inputs: torch.Tensor, labels: torch.Tensor, /, **kwargs) -> torch.Tensor:
-            return local_value(loss_fn(model(inputs, **kwargs), labels))
+            # with weight copies, the forward the training step compiled (the same numbers)
+            with copies.active() if copies is not None else contextlib.nullcontext():
+                return local_value(loss_fn(model(inputs, **kwargs), labels))
 
     return Validator(
         build,

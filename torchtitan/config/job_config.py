@@ -238,6 +238,13 @@ class Training:
     loss_chunk_size: int = 8192
     """Tokens per chunk of the chunked loss (memory: chunk x vocab logits at a time)."""
 
+    weight_copies: Literal["auto", "on", "off"] = "auto"
+    """Under autocast on one device: keep a copy of each linear layer's weight in the compute
+    dtype, written by the optimizer step, instead of casting every weight in every forward and
+    every weight gradient back to float32 (less memory traffic and gradient memory; the same
+    numbers up to float32 rounding in the norm and the AdamW step). auto: on CUDA where it
+    applies (one device, autocast, the fused optimizer default, clipping in the step)."""
+
     steps: int = 10000
     """Number of training steps."""
 

@@ -229,6 +229,9 @@ def _per_simulated_rank(value: object) -> object:
         return LocalTensor({r: t.clone() for r in ranks})
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 @torch.no_grad()
 def total_norm(
     tensors_by_mesh: dict[object, list[torch.Tensor]],
@@ -241,6 +244,16 @@ def total_norm(
     None for plain tensors) and the total over ``pp_mesh``. A plain float32 scalar tensor."""
     norms = []
     for tensors in tensors_by_mesh.values():
+        # bf16 / fp16 plain tensors (weight copies' gradients): float32 accumulation, which
+        # torch's get_total_norm does not do for them
+        low = [t for t in tensors if type(t) is torch.Tensor and t.dtype in _LOW_PRECISION]
+        if low:
+            tensors = [t for t in tensors if not (type(t) is torch.Tensor
+                                                  and t.dtype in _LOW_PRECISION)]
+            per_tensor = torch._foreach_norm(low, norm_type, dtype=torch.float32)
+            norms.append(torch.linalg.vector_norm(torch.stack(per_tensor), norm_type))
+            if not tensors:
+                continue
         n = torch.nn.utils.get_total_norm(tensors, norm_type, False, foreach)
         if isinstance(n, DTensor):
             n = n.full_tensor()

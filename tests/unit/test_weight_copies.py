@@ -1,0 +1,201 @@
+"""``training.weight_copies``: the linear weights' low-precision copies, written by the
+optimizer step, stand in for autocast's per-step casts. Training equals the autocast path
+within float32 rounding (the norm and the AdamW step), checkpoints hold the float32 weights,
+a loaded weight refreshes its copy, and the plan refuses ``on`` where it cannot apply."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import REPO_ROOT
+from tests.integration.trainer_utils import TINY, run_tiny
+from torchtitan.components.weight_copies import (
+    WeightCopies,
+    build_weight_copies,
+    choose_weight_copies,
+)
+from torchtitan.config.manager import ConfigManager
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.plan import plan_run
+
+# bf16 autocast on the CPU, a max_norm every step exceeds (the clip divisor is exercised)
+BF16 = ["--training.mixed_precision_param", "bfloat16", "--training.max_norm", "0.05",
+        "--training.steps", "5", "--validation.enable", "--validation.dataset",
+        "c4_test_validation", "--validation.freq", "5", "--validation.steps", "2",
+        "--validation.seq_len", "64", "--validation.local_batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for mode in ("off", "on"):
+        root = tmp_path_factory.mktemp(f"copies_{mode}")
+        trainer = run_tiny(root, *BF16, "--training.weight_copies", mode)
+        gc.enable()
+        out[mode] = trainer
+    return out
+
+
+def test_training_with_copies_equals_the_autocast_path(runs, caplog):
+    plain, copies = runs["off"], runs["on"]
+    assert plain.run.weight_copies is None and len(copies.run.weight_copies) > 0
+    losses = [[h[0] for h in t.history] for t in (plain, copies)]
+    norms = [[h[1] for h in t.history] for t in (plain, copies)]
+    assert min(norms[0]) > 0.05  # every step clipped
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-5, atol=0)
+    ref = dict(plain.model_parts[0].named_parameters())
+    for name, p in copies.model_parts[0].named_parameters():
+        assert p.dtype == torch.float32, name  # outside the step: the float32 weights
+        # float32 rounding in the step, then a copy rounding to the other side of a
+        # bf16 boundary: measured <= 2.4e-6 after 5 steps (each moves a weight by ~lr, 8e-4)
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
+
+
+def _validation_loss(trainer) -> float:
+    path = Path(trainer.job_config.job.dump_folder) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return next(r["validation/loss"] for r in rows if "validation/loss" in r)
+
+
+def test_validation_with_copies_equals_the_autocast_path(runs):
+    val = [_validation_loss(t) for t in (runs["off"], runs["on"])]
+    assert val[1] == pytest.approx(val[0], rel=1e-6)
+
+
+def _trainer(tmp_path, *flags):
+    from torchtitan.train import Trainer
+
+    cfg = ConfigManager().parse_args([*TINY, "--job.dump_folder", str(tmp_path), *BF16[:4],
+                                      *flags])
+    return Trainer(cfg)
+
+
+def test_the_step_runs_on_the_copies_and_writes_them(tmp_path, monkeypatch):
+    from torchtitan.step import compute_gradients, optimizer_step
+
+    monkeypatch.chdir(REPO_ROOT)
+    trainer = _trainer(tmp_path, "--training.weight_copies", "on")
+    try:
+        copies = trainer.run.weight_copies
+        module, master, copy = copies.modules[0], copies.masters[0], copies.copies[0]
+        seen = []
+        module.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+        before = master.detach().clone()
+        compute_gradients(trainer.run, [next(iter(trainer.dataloader))])
+        assert seen == [torch.bfloat16] and module.weight is master
+        assert master.grad is None and copy.grad.dtype == torch.bfloat16
+        optimizer_step(trainer.run)
+        assert not torch.equal(master, before)
+        assert torch.equal(copy, master.to(torch.bfloat16))  # written by the step
+        trainer.optimizers.zero_grad()
+        assert copy.grad is None
+    finally:
+        trainer.close()
+        gc.enable()
+
+
+def test_a_weight_changed_in_place_refreshes_its_copy():
+    lin = nn.Linear(4, 3)
+    copies = WeightCopies([lin], torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.full((3, 4), 0.5))  # e.g. a checkpoint load
+    with copies.active():
+        assert lin.weight.dtype == torch.bfloat16
+        assert torch.equal(lin.weight, torch.full((3, 4), 0.5, dtype=torch.bfloat16))
+    assert lin.weight.dtype == torch.float32
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    ckpt = ["--training.weight_copies", "on", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    full = run_tiny(tmp_path / "full", *BF16[:4], "--training.steps", "4",
+                    "--training.weight_copies", "on")
+    run_tiny(tmp_path / "resumed", *BF16[:4], "--training.steps", "2", *ckpt)
+    resumed = run_tiny(tmp_path / "resumed", *BF16[:4], "--training.steps", "4", *ckpt)
+    gc.enable()
+    assert resumed.history[-2:] == full.history[2:]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tmp_path / "resumed" / "checkpoint" / "step-2")).read_metadata()
+    dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items()
+              if k.endswith("feed_forward.w1.weight") or k == "output.weight"}
+    assert len(dtypes) == 3 and set(dtypes.values()) == {torch.float32}  # the weights, and
+    assert any(k.endswith("w1.weight.exp_avg") for k in meta.state_dict_metadata)  # state
+
+
+def test_tied_and_converted_weights_are_not_copied():
+    class Float8LikeLinear(nn.Linear):  # converts its weight itself
+        pass
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight  # tied
+            self.proj = nn.Linear(4, 4)
+            self.conv = Float8LikeLinear(4, 4)
+
+    model = Model()
+    copies = build_weight_copies([model], torch.bfloat16)
+    assert copies.modules == [model.proj]
+
+
+def _cfg(*flags):
+    return ConfigManager().parse_args(["--job.config_file", "train_configs/debug_model.toml",
+                                       "--training.mixed_precision_param", "bfloat16", *flags])
+
+
+@pytest.mark.parametrize("flags, world, why", [
+    (["--training.mixed_precision_param", "float32"], 1, "the run does not autocast"),
+    (["--parallelism.data_parallel_shard_degree", "2"], 2, "the run does not autocast"),
+    (["--parallelism.data_parallel_replicate_degree", "2"], 2,
+     "this run is parallel (dp_replicate=2)"),
+    (["--optimizer.no_clip_in_step"], 1, "clipping must happen in the optimizer step"),
+    (["--optimizer.implementation", "foreach"], 1, "optimizer.implementation=foreach"),
+])
+def test_the_plan_refuses_on_where_it_cannot_apply(monkeypatch, flags, world, why):
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _cfg("--training.weight_copies", "on", *flags)
+    with pytest.raises(ValueError) as e:
+        plan_run(cfg, world)
+    line = str(e.value)
+    assert line.startswith("training.weight_copies=on cannot apply: ") and why in line
+    assert "\n" not in line
+    cfg.training.weight_copies = "auto"
+    plan_run(cfg, world)  # auto: the plain path, no error
+
+
+def test_auto_copies_on_cuda_only(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    cfg = _cfg()
+    dims = ParallelDims.from_config(cfg.parallelism, 1)
+    assert cfg.training.weight_copies == "auto"
+    assert choose_weight_copies(cfg, dims, torch.bfloat16, "cuda")
+    assert not choose_weight_copies(cfg, dims, torch.bfloat16, "cpu")
+    assert not choose_weight_copies(cfg, dims, None, "cuda")
+    cfg.training.weight_copies = "off"
+    assert not choose_weight_copies(cfg, dims, torch.bfloat16, "cuda")
+
+
+def test_the_norm_of_bf16_gradients_accumulates_in_float32(caplog):
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) * 3, torch.randn(77, 13)]
+    low = [g.bfloat16() for g in grads]
+    exact = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in low]).double())
+    got = dist_utils.total_norm({None: low})
+    assert got.dtype == torch.float32
+    assert float(got) == pytest.approx(float(exact), rel=1e-6)
+    mixed = dist_utils.total_norm({None: [low[0], grads[1]]})
+    exact = torch.linalg.vector_norm(torch.cat([low[0].double(), grads[1].double().flatten()]))
+    assert float(mixed) == pytest.approx(float(exact), rel=1e-6)
+    with caplog.at_level(logging.WARNING):
+        assert dist_utils.total_norm({None: low}, norm_type=float("inf")) == low[0].abs().max()

@@ -1,0 +1,173 @@
+"""Low-precision copies of the matmul weights, written by the optimizer step
+(``training.weight_copies``).
+
+Under autocast (one device: no FSDP, no data, tensor, context or pipeline parallelism) every
+forward casts each float32 matmul weight to the compute dtype (read 4 bytes, write 2 per
+parameter), the backward casts each weight gradient back to float32 (read 2, write 4), and
+the gradient norm and the optimizer read float32 gradients (4 bytes each). With copies, each
+plain ``nn.Linear`` weight (and the decoder's untied output projection) has a copy in the
+compute dtype: during the step (:meth:`WeightCopies.active`: forward, backward, the gradient
+norm) the module holds its copy as its ``weight``, so autocast finds it already cast, its
+gradient stays in the compute dtype (the same values: autocast's cast back to float32 is
+exact), the norm reads it with float32 accumulation, and the optimizer step reads it, updates
+the float32 weight and its state in float32 and writes the new copy in the same kernel
+(:class:`~torchtitan.components.adamw_bf16_state.AdamBF16State`). About 14 bytes of memory
+traffic less per weight and step, and half the gradient memory.
+
+Outside :meth:`~WeightCopies.active` the float32 weights are the modules' parameters as
+always: checkpoints, the optimizer's state, exports and the memory figures see them. A copy
+whose weight changed in place since it was written (a checkpoint load, an initialisation) is
+refreshed when the step begins (tensor version counters tell).
+
+Numerics: the forward and backward are the autocast path's bit for bit; the gradient norm and
+the AdamW step equal torch's within float32 rounding (tests/unit/test_weight_copies.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "WeightCopies",
+    "build_weight_copies",
+    "check_weight_copies",
+    "choose_weight_copies",
+    "weight_copies_obstacle",
+]
+
+
+class WeightCopies:
+    """The copied modules with their float32 weights and the copies (``dtype``)."""
+
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.modules = list(modules)
+        self.masters = [m.weight for m in self.modules]
+        with torch.no_grad():
+            self.copies = [nn.Parameter(w.detach().to(dtype), requires_grad=w.requires_grad)
+                           for w in self.masters]
+        self._copy_of = {id(w): c for w, c in zip(self.masters, self.copies)}
+        self._index = {id(w): i for i, w in enumerate(self.masters)}
+        self._versions = [w._version for w in self.masters]
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight``'s copy (None: not copied)."""
+        return self._copy_of.get(id(weight))
+
+    def written(self, weight: torch.Tensor) -> None:
+        """The optimizer wrote ``weight`` and its copy together: the copy is current."""
+        i = self._index.get(id(weight))
+        if i is not None:
+            self._versions[i] = weight._version
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Rewrite every copy whose weight changed since it was written (e.g. loaded)."""
+        for i, (w, c) in enumerate(zip(self.masters, self.copies)):
+            if w._version != self._versions[i]:
+                c.copy_(w)
+                self._versions[i] = w._version
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The copies stand in for the weights (forward, backward, gradient norm)."""
+        self.refresh()
+        for m, c in zip(self.modules, self.copies):
+            m._parameters["weight"] = c
+        try:
+            yield
+        finally:
+            for m, w in zip(self.modules, self.masters):
+                m._parameters["weight"] = w
+
+    def zero_grad(self) -> None:
+        for c in self.copies:
+            c.grad = None
+
+
+def _copyable(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (or the decoder's output head): its forward is ``F.linear`` on
+    its weight. Subclasses that convert the weight themselves (float8, MX) are not."""
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan.models.common.decoder import OutputHead
+
+    weight = getattr(module, "weight", None)
+    return (type(module) in (nn.Linear, OutputHead) and isinstance(weight, torch.Tensor)
+            and not isinstance(weight, DTensor) and weight.dtype == torch.float32)
+
+
+def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
+    """ids of parameters that more than one module holds (tied embeddings)."""
+    seen: dict[int, int] = {}
+    for part in model_parts:
+        for _, p in part.named_parameters(remove_duplicate=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype) -> WeightCopies:
+    """Copies of every copyable module's weight in ``model_parts`` (tied weights excluded:
+    the embedding reads them too)."""
+    shared = _shared_weights(model_parts)
+    modules = [m for part in model_parts for m in part.modules()
+               if _copyable(m) and id(m.weight) not in shared]
+    return WeightCopies(modules, dtype)
+
+
+def weight_copies_obstacle(cfg: Any, parallel_dims: Any,
+                           autocast: torch.dtype | None) -> str | None:
+    """Why ``training.weight_copies`` cannot apply to this run (None: it can)."""
+    if autocast is None:
+        return ("the run does not autocast (FSDP's mixed precision, training.dtype bfloat16 or "
+                "float32 matmuls)")
+    degrees = {name: getattr(parallel_dims, name, 1) for name in
+               ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+    parallel = [f"{name}={d}" for name, d in degrees.items() if d > 1]
+    if parallel:
+        return f"the copies are for one device, and this run is parallel ({', '.join(parallel)})"
+    if cfg.fault_tolerance.enable:
+        return "fault tolerance averages the float32 gradients across replica groups"
+    opt = cfg.optimizer
+    if opt.early_step_in_backward:
+        return "optimizer.early_step_in_backward steps each parameter in the backward"
+    if opt.implementation != "fused":
+        return (f"optimizer.implementation={opt.implementation} asks for torch's kernel; the "
+                "copies need the project's own step (the fused default)")
+    if cfg.training.max_norm > 0 and not opt.clip_in_step:
+        return ("optimizer.no_clip_in_step rescales the gradients in place, in the copies' "
+                "precision; clipping must happen in the optimizer step")
+    return None
+
+
+def check_weight_copies(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None) -> None:
+    """The plan's rule: ``training.weight_copies=on`` where it cannot apply is a one-line
+    ValueError."""
+    if cfg.training.weight_copies == "on":
+        obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast)
+        if obstacle is not None:
+            raise ValueError(f"training.weight_copies=on cannot apply: {obstacle}")
+
+
+def choose_weight_copies(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None,
+                         device_type: str) -> bool:
+    """Whether the run keeps weight copies (``training.weight_copies``: ``auto`` on CUDA where
+    it applies, the plain path elsewhere, as every CPU exactness test expects; ``on`` where it
+    cannot apply is a one-line ValueError)."""
+    mode = cfg.training.weight_copies
+    if mode == "off":
+        return False
+    obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast)
+    if obstacle is not None:
+        if mode == "on":
+            raise ValueError(f"training.weight_copies=on cannot apply: {obstacle}")
+        return False
+    return mode == "on" or device_type == "cuda"
