@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_speed_check.sh WHEELS OUT harness   # ~7 min: ours vs upstream, bf16 + float8,
 #                                                   # plus ours with the levers off, same run
-#   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~3 min: the loss path alone at Llama 3 8B's
+#   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~4 min: the compiled optimizer steps' CUDA
+#                                                   # tests; the loss path alone at Llama 3 8B's
 #                                                   # output shape; the memory estimate vs the GPU
 #   scripts/gpu_speed_check.sh WHEELS OUT optim     # ~4 min: bf16 (only) with the opt-in bf16
 #                                                   # optimizer state as a variant
@@ -70,6 +71,10 @@ levers)
 compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'))" \
         >"$out/install.log" 2>&1 || { echo "error: installing $wheels failed; see $out/install.log" >&2; exit 2; }
     export PYTHONPATH="$PWD:$work/site:$PWD/scripts"
+    # the weight copies' and bf16 state's compiled steps on this GPU (CPU runs skip these)
+    step cuda_steps 150 "$py" -m pytest -q -p no:cacheprovider -rs \
+        tests/unit/test_weight_copies.py tests/unit/test_optimizer_state_dtype.py -k cuda
+    tail -3 "$out/cuda_steps.log" >>"$out/summary.txt"
     step loss_path 240 "$py" scripts/benchmark_loss.py "${LOSS_SHAPE[@]}"
     tail -6 "$out/loss_path.log" | head -5 >>"$out/summary.txt"
     step memory 300 "$py" scripts/estimate_memory.py --job.config_file "${MEMORY_CONFIG[@]}" \

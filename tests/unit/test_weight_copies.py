@@ -199,3 +199,19 @@ def test_the_norm_of_bf16_gradients_accumulates_in_float32(caplog):
     assert float(mixed) == pytest.approx(float(exact), rel=1e-6)
     with caplog.at_level(logging.WARNING):
         assert dist_utils.total_norm({None: low}, norm_type=float("inf")) == low[0].abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_compiled_training_with_copies_equals_the_autocast_path(tmp_path):
+    """The GPU path: compiled blocks under the copies, the compiled optimizer step writing
+    them (auto turns the copies on by itself on CUDA)."""
+    import torchtitan.components.adamw_bf16_state as module
+
+    flags = [*BF16[:6], "--compile.enable"]
+    plain = run_tiny(tmp_path / "plain", *flags, "--training.weight_copies", "off")
+    copies = run_tiny(tmp_path / "copies", *flags)
+    gc.enable()
+    assert plain.run.weight_copies is None and len(copies.run.weight_copies) > 0
+    assert module._compiled_step is not None
+    for a, b in zip(copies.history, plain.history):
+        assert a == pytest.approx(b, rel=1e-4)
