@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 from torchtitan.config.manager import ConfigManager
 from torchtitan.train import Trainer
 
@@ -40,3 +44,16 @@ def run_tiny(tmp_path, *flags: str) -> RecordingTrainer:
     finally:
         trainer.close()
     return trainer
+
+
+@contextlib.contextmanager
+def built_trainer(tmp_path, *flags: str, base: list[str] = TINY) -> Iterator[Trainer]:
+    """A Trainer built from ``base`` + ``flags`` (dump folder ``tmp_path``), closed after;
+    automatic garbage collection is back on afterwards (the trainer turns it off)."""
+    cfg = ConfigManager().parse_args([*base, "--job.dump_folder", str(tmp_path), *flags])
+    trainer = Trainer(cfg)
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+        gc.enable()

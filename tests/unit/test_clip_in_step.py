@@ -5,7 +5,6 @@ nothing is clipped; the trainer takes it wherever the optimizers can."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import pytest
@@ -94,29 +93,21 @@ def test_the_trainer_clips_in_the_step_without_touching_the_gradients(tmp_path, 
     """The debug model with a tight max_norm: after the backward the gradients are as the
     backward left them (not rescaled) and the optimizers hold the clip divisor (norm /
     max_norm); with ``--optimizer.no_clip_in_step`` the gradients are rescaled instead."""
-    from torchtitan.config.manager import ConfigManager
+    from tests.integration.trainer_utils import built_trainer
     from torchtitan.step import compute_gradients
-    from torchtitan.train import Trainer
 
     monkeypatch.chdir(REPO_ROOT)
     seen = {}
     for flag in ("--optimizer.clip_in_step", "--optimizer.no_clip_in_step"):
-        cfg = ConfigManager().parse_args(
-            ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor",
-             "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-             "--training.max_norm", "0.01", "--debug.seed", "0",
-             "--job.dump_folder", str(tmp_path / flag), flag])
-        trainer = Trainer(cfg)
-        try:
+        with built_trainer(tmp_path / flag, "--training.seq_len", "32",
+                           "--training.local_batch_size", "2", "--training.max_norm", "0.01",
+                           flag) as trainer:
             batch = next(iter(trainer.dataloader))
             _, norm = compute_gradients(trainer.run, [batch])
             grads = torch.cat([p.grad.flatten() for m in trainer.model_parts
                                for p in m.parameters()])
             divisors = [getattr(o, "grad_scale", None) for o in trainer.optimizers.optimizers]
             seen[flag] = (float(norm), float(grads.norm()), divisors)
-        finally:
-            trainer.close()
-            gc.enable()  # the trainer turns automatic GC off
     norm, grad_norm, divisors = seen["--optimizer.clip_in_step"]
     assert norm > 0.01 and grad_norm == pytest.approx(norm, rel=1e-5)  # untouched
     assert divisors and all(float(d) == pytest.approx(norm / 0.01, rel=1e-5) for d in divisors)

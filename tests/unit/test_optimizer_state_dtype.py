@@ -4,7 +4,6 @@ and torch's fused AdamW on DTensor parameters."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 from pathlib import Path
@@ -120,19 +119,14 @@ def test_float32_is_torch_fused_adamw_and_the_default():
 
 
 def test_a_real_model_keeps_4_bytes_of_state_per_parameter_instead_of_8(tmp_path, monkeypatch):
-    from torchtitan.config.manager import ConfigManager
-    from torchtitan.train import Trainer
+    from tests.integration.trainer_utils import TINY, built_trainer
 
     monkeypatch.chdir(REPO_ROOT)
     per_param = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = ConfigManager().parse_args(
-            ["--job.config_file", "train_configs/debug_model.toml", "--model.flavor",
-             "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "1",
-             "--training.steps", "1", "--job.dump_folder", str(tmp_path / dtype),
-             "--optimizer.state_dtype", dtype])
-        trainer = Trainer(cfg)
-        try:
+        with built_trainer(tmp_path / dtype, "--training.seq_len", "32",
+                           "--training.local_batch_size", "1", "--training.steps", "1",
+                           "--optimizer.state_dtype", dtype, base=TINY) as trainer:
             trainer.step += 1
             trainer.train_step(iter(trainer.dataloader))
             params = [p for m in trainer.model_parts for p in m.parameters()]
@@ -141,9 +135,6 @@ def test_a_real_model_keeps_4_bytes_of_state_per_parameter_instead_of_8(tmp_path
                                for s in states for k in ("exp_avg", "exp_avg_sq"))
             per_param[dtype] = moment_bytes / sum(p.numel() for p in params)
             assert all(p.dtype == torch.float32 for p in params)
-        finally:
-            trainer.close()
-            gc.enable()  # the trainer turns automatic GC off
     assert per_param == {"float32": 8.0, "bfloat16": 4.0}
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.conftest import REPO_ROOT
-from tests.integration.trainer_utils import TINY, run_tiny
+from tests.integration.trainer_utils import built_trainer, run_tiny
 from torchtitan.components.weight_copies import (
     WeightCopies,
     build_weight_copies,
@@ -71,20 +71,11 @@ def test_validation_with_copies_equals_the_autocast_path(runs):
     assert val[1] == pytest.approx(val[0], rel=1e-6)
 
 
-def _trainer(tmp_path, *flags):
-    from torchtitan.train import Trainer
-
-    cfg = ConfigManager().parse_args([*TINY, "--job.dump_folder", str(tmp_path), *BF16[:4],
-                                      *flags])
-    return Trainer(cfg)
-
-
 def test_the_step_runs_on_the_copies_and_writes_them(tmp_path, monkeypatch):
     from torchtitan.step import compute_gradients, optimizer_step
 
     monkeypatch.chdir(REPO_ROOT)
-    trainer = _trainer(tmp_path, "--training.weight_copies", "on")
-    try:
+    with built_trainer(tmp_path, *BF16[:4], "--training.weight_copies", "on") as trainer:
         copies = trainer.run.weight_copies
         module, master, copy = copies.modules[0], copies.masters[0], copies.copies[0]
         seen = []
@@ -98,9 +89,6 @@ def test_the_step_runs_on_the_copies_and_writes_them(tmp_path, monkeypatch):
         assert torch.equal(copy, master.to(torch.bfloat16))  # written by the step
         trainer.optimizers.zero_grad()
         assert copy.grad is None
-    finally:
-        trainer.close()
-        gc.enable()
 
 
 def test_a_weight_changed_in_place_refreshes_its_copy():
