@@ -175,9 +175,10 @@ def log_resolved_config(cfg: JobConfig, rank: int) -> None:
 
 
 def _weight_copies(cfg: JobConfig, parallel_dims: ParallelDims, autocast: torch.dtype | None,
-                   model_parts: list[nn.Module], device_type: str) -> WeightCopies | None:
+                   model_parts: list[nn.Module], device_type: str,
+                   grad_accum: int) -> WeightCopies | None:
     """The run's weight copies (``training.weight_copies``), logged in one line; None: none."""
-    if not choose_weight_copies(cfg, parallel_dims, autocast, device_type):
+    if not choose_weight_copies(cfg, parallel_dims, autocast, device_type, grad_accum):
         return None
     copies = build_weight_copies(model_parts, autocast)
     if not copies:
@@ -298,7 +299,8 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
                     f"{cfg.model.flavor} has no MoE layers"
                 )
             weight_copies = _weight_copies(cfg, parallel_dims, autocast, model_parts,
-                                           device.type if comm_mode.computes_values else "cuda")
+                                           device.type if comm_mode.computes_values else "cuda",
+                                           grad_accum)
             optimizers = build_optimizers_in_backward(model_parts, cfg.optimizer, weight_copies)
             if tied is not None:
                 optimizers.fqn_aliases = [tied.optimizer_aliases(part) for part in model_parts]

@@ -237,7 +237,8 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     validate_compile_components(cfg.compile)
     check_early_step(cfg, parallel_dims)
     check_state_dtype(cfg.optimizer)
-    check_weight_copies(cfg, parallel_dims, autocast_dtype(cfg.training, parallel_dims))
+    check_weight_copies(cfg, parallel_dims, autocast_dtype(cfg.training, parallel_dims),
+                        grad_accum)
     _check_model_shapes(cfg, parallel_dims, spec, model_args)
     return RunPlan(
         parallel_dims=parallel_dims,

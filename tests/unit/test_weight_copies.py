@@ -149,6 +149,8 @@ def _cfg(*flags):
      "this run is parallel (dp_replicate=2)"),
     (["--optimizer.no_clip_in_step"], 1, "clipping must happen in the optimizer step"),
     (["--optimizer.implementation", "foreach"], 1, "optimizer.implementation=foreach"),
+    (["--training.global_batch_size", "16", "--training.local_batch_size", "8"], 1,
+     "gradient accumulation (2 microbatches per step) would sum the gradients"),
 ])
 def test_the_plan_refuses_on_where_it_cannot_apply(monkeypatch, flags, world, why):
     monkeypatch.chdir(REPO_ROOT)

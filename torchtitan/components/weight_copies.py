@@ -123,9 +123,10 @@ def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype) ->
     return WeightCopies(modules, dtype)
 
 
-def weight_copies_obstacle(cfg: Any, parallel_dims: Any,
-                           autocast: torch.dtype | None) -> str | None:
-    """Why ``training.weight_copies`` cannot apply to this run (None: it can)."""
+def weight_copies_obstacle(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None,
+                           grad_accum: int = 1) -> str | None:
+    """Why ``training.weight_copies`` cannot apply to this run (None: it can);
+    ``grad_accum``: microbatches per optimizer step."""
     if autocast is None:
         return ("the run does not autocast (FSDP's mixed precision, training.dtype bfloat16 or "
                 "float32 matmuls)")
@@ -134,6 +135,9 @@ def weight_copies_obstacle(cfg: Any, parallel_dims: Any,
     parallel = [f"{name}={d}" for name, d in degrees.items() if d > 1]
     if parallel:
         return f"the copies are for one device, and this run is parallel ({', '.join(parallel)})"
+    if grad_accum > 1:
+        return (f"gradient accumulation ({grad_accum} microbatches per step) would sum the "
+                "gradients in the copies' precision")
     if cfg.fault_tolerance.enable:
         return "fault tolerance averages the float32 gradients across replica groups"
     opt = cfg.optimizer
@@ -148,24 +152,25 @@ def weight_copies_obstacle(cfg: Any, parallel_dims: Any,
     return None
 
 
-def check_weight_copies(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None) -> None:
+def check_weight_copies(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None,
+                        grad_accum: int) -> None:
     """The plan's rule: ``training.weight_copies=on`` where it cannot apply is a one-line
     ValueError."""
     if cfg.training.weight_copies == "on":
-        obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast)
+        obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast, grad_accum)
         if obstacle is not None:
             raise ValueError(f"training.weight_copies=on cannot apply: {obstacle}")
 
 
 def choose_weight_copies(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None,
-                         device_type: str) -> bool:
+                         device_type: str, grad_accum: int = 1) -> bool:
     """Whether the run keeps weight copies (``training.weight_copies``: ``auto`` on CUDA where
     it applies, the plain path elsewhere, as every CPU exactness test expects; ``on`` where it
     cannot apply is a one-line ValueError)."""
     mode = cfg.training.weight_copies
     if mode == "off":
         return False
-    obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast)
+    obstacle = weight_copies_obstacle(cfg, parallel_dims, autocast, grad_accum)
     if obstacle is not None:
         if mode == "on":
             raise ValueError(f"training.weight_copies=on cannot apply: {obstacle}")

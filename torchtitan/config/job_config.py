@@ -243,7 +243,8 @@ class Training:
     dtype, written by the optimizer step, instead of casting every weight in every forward and
     every weight gradient back to float32 (less memory traffic and gradient memory; the same
     numbers up to float32 rounding in the norm and the AdamW step). auto: on CUDA where it
-    applies (one device, autocast, the fused optimizer default, clipping in the step)."""
+    applies (one device, autocast, one microbatch per step, the fused optimizer default,
+    clipping in the step)."""
 
     steps: int = 10000
     """Number of training steps."""
