@@ -60,6 +60,22 @@ def test_training_with_copies_equals_the_autocast_path(runs, caplog):
         torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_the_copies_change_nothing_but_the_optimizer_kernel(runs, tmp_path, monkeypatch):
+    """The autocast path stepped by the same (own, float32-state) AdamW step as the copies:
+    the copies' losses and grad norms within 1e-6 (the norm sums bf16 rather than float32
+    gradients in another order: last-bit differences); what differs from torch's fused AdamW
+    above (1e-5) is that kernel's float32 rounding, not the copies."""
+    import torchtitan.components.optimizer as optimizer
+
+    torch_choice = optimizer.optimizer_class
+    monkeypatch.setattr(optimizer, "optimizer_class",
+                        lambda cfg, own_step=False: torch_choice(cfg, own_step=True))
+    own_step = run_tiny(tmp_path, *BF16, "--training.weight_copies", "off")
+    gc.enable()
+    assert own_step.run.weight_copies is None
+    torch.testing.assert_close(own_step.history, runs["on"].history, rtol=1e-6, atol=0)
+
+
 def _validation_loss(trainer) -> float:
     path = Path(trainer.job_config.job.dump_folder) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
