@@ -67,6 +67,26 @@ def test_fsdp_shards_and_adamw_state_add_up(world_size):
     assert f"at world size {world_size}" in est.format()
 
 
+def test_modules_answer_the_trackers_weakref_question_only_while_it_runs(monkeypatch):
+    """The tracker dereferences its module keys millions of times on a large model, each time
+    asking hasattr(module, "_fix_weakref"); a no-op answers it during the estimate (a third
+    of the 120B estimate's time) and is gone after, the estimate unchanged."""
+    import torchtitan.step
+
+    seen = []
+    step = torchtitan.step.compute_gradients
+
+    def spying(run, microbatches):
+        seen.append("_fix_weakref" in torch.nn.Module.__dict__)
+        return step(run, microbatches)
+
+    monkeypatch.setattr(torchtitan.step, "compute_gradients", spying)
+    est = estimate_memory(_cfg(), 2)
+    assert seen == [True, True]  # both tracked steps
+    assert "_fix_weakref" not in torch.nn.Module.__dict__
+    assert est.breakdown["Sharded Param"] == _shard_bytes(2)
+
+
 def test_more_ranks_less_memory_and_fake_equals_real():
     small, large = estimate_memory(_cfg(), 2), estimate_memory(_cfg(), 4)
     assert large.peak_bytes < small.peak_bytes

@@ -116,6 +116,23 @@ def _untracked_sharding_propagation() -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
+@contextlib.contextmanager
+def _cheap_module_weakrefs():
+    """The tracker keys its per-module stats by torch's ``WeakIdRef``, whose every dereference
+    asks ``hasattr(module, "_fix_weakref")`` (a tensor hook): for a module that is a failed
+    ``nn.Module.__getattr__`` (two under checkpoint wrappers), once per tracked module per
+    operator, about a third of a large model's estimate. A no-op answers it while the tracker
+    runs."""
+    if "_fix_weakref" in torch.nn.Module.__dict__:
+        yield
+        return
+    torch.nn.Module._fix_weakref = lambda self: None
+    try:
+        yield
+    finally:
+        del torch.nn.Module._fix_weakref
+
+
 def _skipping_propagation(tracker_cls: type) -> type:
     class Tracker(tracker_cls):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -247,7 +264,7 @@ def estimate_memory(
             )
         step_peaks = []
         # Trackers must see the fake tensors from inside the fake mode (as the step does).
-        with mode.step(), _untracked_sharding_propagation(), tracker:
+        with mode.step(), _untracked_sharding_propagation(), _cheap_module_weakrefs(), tracker:
             for inputs, labels in batches:
                 if hasattr(tracker, "track_inputs"):
                     tracker.track_inputs((inputs, labels))
