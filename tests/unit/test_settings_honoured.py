@@ -224,6 +224,28 @@ def test_trace_buf_size_wins_over_the_environment(caplog, monkeypatch, tmp_path,
     assert (line in caplog.text) is warned
 
 
+@pytest.mark.parametrize("exported", [None, "/elsewhere/nccl_trace_rank_"])
+def test_an_exported_nccl_dump_path_is_kept_and_said(caplog, monkeypatch, tmp_path, exported):
+    """NCCL's own timeout dumps follow TORCH_NCCL_DEBUG_INFO_TEMP_FILE; an exported one is left
+    alone (the config cannot say "unset"), with one warning saying where dumps go."""
+    import os
+
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.tools.flight_recorder import configure_env
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TORCH_NCCL_") and k != "RANK"}
+    if exported is not None:
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = exported
+    monkeypatch.setattr(os, "environ", env)  # nothing leaks to other tests
+    comm = JobConfig().comm
+    configure_env(comm, str(tmp_path), "cuda")
+    ours = os.path.join(str(tmp_path), comm.save_traces_folder, comm.save_traces_file_prefix)
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == (exported or ours)
+    said = f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={exported} from the environment: NCCL's watchdog"
+    assert (said in caplog.text) is (exported is not None)
+
+
 # --- compile.enable with nothing to compile --------------------------------------------------
 @pytest.mark.parametrize(
     ("flags", "needle"),

@@ -70,18 +70,22 @@ def configure_env(comm: Comm, dump_folder: str, device_type: str) -> None:
 
     ``comm.trace_buf_size`` entries are kept per rank (0 turns FR off). On CUDA, NCCL's watchdog
     is told to dump to ``{dump_folder}/{save_traces_folder}/{prefix}<rank>`` on a timeout.
-    The buffer size is always the config's (:func:`set_buffer_size`); the ``TORCH_NCCL_*``
-    variables the user already set are left alone.
-    """
+    The buffer size is always the config's (:func:`set_buffer_size`); ``TORCH_NCCL_*``
+    variables the user set are left alone (a differing dump path with one warning)."""
     set_buffer_size(comm)
     if device_type != "cuda" or comm.trace_buf_size <= 0:
         return
     folder = os.path.join(dump_folder, comm.save_traces_folder)
     os.makedirs(folder, exist_ok=True)
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault(
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(folder, comm.save_traces_file_prefix)
-    )
+    ours = os.path.join(folder, comm.save_traces_file_prefix)
+    exported = os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ours)
+    if exported != ours and os.environ.get("RANK", "0") == "0":
+        logger.warning(
+            f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={exported} from the environment: NCCL's watchdog "
+            f"dumps go there (<that prefix><rank>), not to comm.save_traces_folder "
+            f"({ours}<rank>); unset it to use the config's"
+        )
     # FR dumps need the "skip clean-up" error handling mode (pytorch issue 121055).
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
 
@@ -93,8 +97,7 @@ def set_buffer_size(comm: Comm) -> None:
     differing exported value is overridden with one warning (rank 0) naming both.
     """
     value = comm.trace_buf_size
-    # TORCH_FR_BUFFER_SIZE is the name since torch 2.8 (TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated
-    # and loses to it): an exported value under either name is replaced.
+    # either name (TORCH_NCCL_TRACE_BUFFER_SIZE: deprecated since torch 2.8, loses to the new)
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         exported = os.environ.get(name)
         if exported is None or exported.strip() == str(value):
