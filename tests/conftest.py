@@ -28,6 +28,19 @@ C4_TEST_VALID = C4_TEST_DIR / "validation.json"
 _LAUNCHER_VARS = ("CONFIG_FILE", "CONFIG", "MODULE", "NGPU", "COMM_MODE", "TRAIN_FILE", "LOG_RANK")
 
 
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (the scripts are not a package); its ``main()``
+    is the CLI, run in-process."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def dump_folder(tmp_path) -> Path:
     """A fresh ``--job.dump_folder`` for one test (not created: the trainer makes it)."""

@@ -4,7 +4,6 @@ folder (fast), and the whole CPU smoke run against upstream torchtitan 0.2.2 (sl
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ASSETS, C4_TEST_VALID, REPO_ROOT, TIKTOKEN_FILE
+from tests.conftest import ASSETS, C4_TEST_VALID, REPO_ROOT, TIKTOKEN_FILE, load_script
 
 LOGS = ASSETS / "compare_upstream"  # recorded with --device cpu (upstream through its shim)
 # Upstream 0.2.2's step line on a GPU, as components/metrics.py formats it (colors on).
@@ -25,17 +24,12 @@ GPU_LINE = ("[titan] 2026-11-27 10:00:00,000 - root - INFO - \x1b[31mstep: 20  \
 
 @pytest.fixture(scope="module")
 def cu():
-    spec = importlib.util.spec_from_file_location(
-        "compare_upstream", REPO_ROOT / "scripts" / "compare_upstream.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
     path = sys.path[:]
     try:
-        spec.loader.exec_module(mod)  # puts scripts/ on sys.path for its two helpers
-        yield mod
+        yield load_script("compare_upstream")  # puts scripts/ on sys.path for its two helpers
     finally:
         sys.path[:] = path
-        for name in (spec.name, "compare_upstream_report", "compare_upstream_setup"):
+        for name in ("compare_upstream", "compare_upstream_report", "compare_upstream_setup"):
             sys.modules.pop(name, None)
 
 

@@ -9,7 +9,6 @@ scaled up so attention and routing are far from uniform (see the negative contro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.conftest import load_script  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager, hf, load, save  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model  # noqa: E402
@@ -33,11 +33,6 @@ TOL = 1e-4
 VOCAB = 128
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _config(q_lora: int | None = 24, interleave: bool = True, yarn: bool = True, **kw):
@@ -104,7 +99,7 @@ def test_hf_to_ours_logits_match(tmp_path, capsys, q_lora, interleave, yarn):
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys  # the Hub's per-expert names
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in keys
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
     assert "--checkpoint.initial_load_path" in capsys.readouterr().out
     config = json.loads((folder / "config.json").read_text())
     args = model_args_from_hf_config(config)
@@ -139,7 +134,7 @@ def test_ours_to_hf_export_matches(tmp_path, interleave):
     state = {k: v.detach() for k, v in ours.state_dict().items()}
     save.save_dcp_single_process(state, str(ckpt), {"step": 7, **hf.model_info(adapter)})
     out = tmp_path / "export"
-    assert _script("convert_dcp_to_hf").main([str(ckpt), str(out), "--model", "deepseek_v3"]) == 0
+    assert load_script("convert_dcp_to_hf").main([str(ckpt), str(out), "--model", "deepseek_v3"]) == 0
     exported = json.loads((out / "config.json").read_text())
     assert exported["architectures"] == ["DeepseekV3ForCausalLM"] and exported["rope_interleave"]
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_script
 from torchtitan.components.checkpoint import CheckpointError, hf_check
 from torchtitan.models import get_model_spec, hf_lookup, list_model_specs
 from torchtitan.models.common.hf_adapter import HFStateDictAdapter, canonical_key
@@ -151,13 +151,6 @@ def test_registry_finds_the_family(family, flavor):
 # --------------------------------------------------------------------------- a new family
 
 
-def _script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -189,7 +182,7 @@ def test_a_new_family_is_found_without_editing_a_table(toy_family):
         sd = toy_family.model_cls(args).state_dict()
     toy_keys = toy_family.state_dict_adapter(args).to_hf(sd)
     assert hf_lookup.spec_for_hf_model_type("toy_llama") is toy_family
-    assert _script("convert_hf_to_dcp")._model_name({"model_type": "toy_llama"}, None) == "toy"
+    assert load_script("convert_hf_to_dcp")._model_name({"model_type": "toy_llama"}, None) == "toy"
     assert hf_lookup.spec_for_hf_keys(toy_keys) is toy_family
     assert hf_check.hf_kind_of_keys(toy_keys) == "toy_llama"
     with pytest.raises(CheckpointError, match="model_type is llama, but the weights are a toy_llama model's"):

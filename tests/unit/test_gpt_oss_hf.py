@@ -10,7 +10,6 @@ gate and up swapped) move the logits by O(1).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.conftest import load_script  # noqa: E402
 from torchtitan.components.checkpoint import fs, hf, load, save  # noqa: E402
 from torchtitan.models.gpt_oss.args import GptOssModelArgs  # noqa: E402
 from torchtitan.models.gpt_oss.model import GptOssModel  # noqa: E402
@@ -55,11 +55,6 @@ CONFIGS = {
 }
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _scale_up(model: torch.nn.Module) -> None:
@@ -196,7 +191,7 @@ def test_scripts_convert_both_ways_and_transformers_loads_the_export(tmp_path, c
     ref_model.save_pretrained(folder)
     args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
     assert fs.verify_checkpoint(str(out))[0] == ""
     tokens = _tokens()
     ref = _logits(ref_model, tokens)
@@ -208,7 +203,7 @@ def test_scripts_convert_both_ways_and_transformers_loads_the_export(tmp_path, c
     save.save_dcp_single_process(weights, str(ckpt),
                                  {"step": 3, **hf.model_info(GptOssStateDictAdapter(args))})
     export = tmp_path / "export"
-    assert _script("convert_dcp_to_hf").main([str(ckpt), str(export), "--model", "gpt_oss"]) == 0
+    assert load_script("convert_dcp_to_hf").main([str(ckpt), str(export), "--model", "gpt_oss"]) == 0
     capsys.readouterr()
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "gpt_oss" and config["rope_parameters"]["truncate"] is False

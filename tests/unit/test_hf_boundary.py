@@ -12,7 +12,6 @@ Random models are built offline (transformers configs, no downloads).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.conftest import REPO_ROOT  # noqa: E402
+from tests.conftest import REPO_ROOT, load_script  # noqa: E402
 from torchtitan.components.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
@@ -50,11 +49,6 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter  # 
 VOCAB = 2256  # the test tokenizer's: the Llama folder is debugmodel_tiny's shape
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _randomize(model) -> None:
@@ -134,7 +128,7 @@ def test_convert_hf_to_dcp_refuses_a_damaged_folder(tmp_path, capsys, kind):
     name = _damage(folder, kind)
     out = tmp_path / "dcp"
     capsys.readouterr()  # transformers' progress bar
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and name in err, err
     assert not out.exists() and not Path(f"{out}.tmp").exists()
@@ -159,7 +153,7 @@ def test_a_tensor_missing_from_a_single_file_is_named(tmp_path, capsys):
     del sd["model.layers.1.mlp.down_proj.weight"]
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
     err = capsys.readouterr().err
     assert "has no weights for ['layers.1.feed_forward.w2.weight'] (1 of 21 missing)" in err, err
     assert not out.exists()
@@ -169,10 +163,10 @@ def test_an_intact_folder_converts_and_round_trips(tmp_path, capsys):
     """The checks refuse nothing whole: sharded HF -> DCP (records the architecture) -> HF."""
     folder = _llama_folder(tmp_path)
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out), "--flavor", "debugmodel_tiny"]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out), "--flavor", "debugmodel_tiny"]) == 0
     assert hf.MODEL_ARGS_KEY in fs.read_marker(str(out))
     back = tmp_path / "back"
-    assert _script("convert_dcp_to_hf").main([str(out), str(back)]) == 0  # no --model/--flavor
+    assert load_script("convert_dcp_to_hf").main([str(out), str(back)]) == 0  # no --model/--flavor
     a, b = hf.load_safetensors_folder(str(folder)), hf.load_safetensors_folder(str(back))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -215,7 +209,7 @@ def test_convert_hf_to_dcp_flavor_check(tmp_path, capsys):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
     out = tmp_path / "dcp"
-    script = _script("convert_hf_to_dcp")
+    script = load_script("convert_hf_to_dcp")
     capsys.readouterr()
     assert script.main([str(folder), str(out), "--flavor", "debugmodel_tiny"]) == 2
     err = capsys.readouterr().err
@@ -232,7 +226,7 @@ def test_a_qwen3_config_over_llama_weights_is_refused(tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps(config))
     out = tmp_path / "dcp"
     capsys.readouterr()
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 2
     err = capsys.readouterr().err
     assert err == (
         f"error: {folder}/config.json: model_type is qwen3, but the weights are a llama model's "
@@ -358,8 +352,8 @@ def test_deepseek_yarn_round_trip_keeps_hf_keys(tmp_path, capsys):
     original = json.loads((folder / "config.json").read_text())
     assert _yarn(DeepSeekV3StateDictAdapter.from_hf_config(original).hf_config()) == _yarn(original)
     dcp_dir, out = tmp_path / "dcp", tmp_path / "out"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(dcp_dir)]) == 0
-    assert _script("convert_dcp_to_hf").main([str(dcp_dir), str(out), "--model", "deepseek_v3"]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(dcp_dir)]) == 0
+    assert load_script("convert_dcp_to_hf").main([str(dcp_dir), str(out), "--model", "deepseek_v3"]) == 0
     capsys.readouterr()
     exported = json.loads((out / "config.json").read_text())
     assert _yarn(exported) == _yarn(original) == {

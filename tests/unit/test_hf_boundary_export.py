@@ -7,7 +7,6 @@ Imports: test_hf_boundary.py.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from tests.conftest import REPO_ROOT  # noqa: E402
+from tests.conftest import load_script  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager, fs, hf, save  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
 from torchtitan.models.common.moe import MoEArgs  # noqa: E402
@@ -27,13 +26,6 @@ from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  
 from torchtitan.models.qwen3.args import Qwen3ModelArgs  # noqa: E402
 from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tiny_llama() -> Transformer:
@@ -60,7 +52,7 @@ def test_export_verifies_the_checkpoint_first(tmp_path, capsys):
     raw[len(raw) // 2] ^= 0x01
     data.write_bytes(bytes(raw))
     out = tmp_path / "out"
-    assert _script("convert_dcp_to_hf").main([str(ckpt), str(out)]) == 2
+    assert load_script("convert_dcp_to_hf").main([str(ckpt), str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot export {ckpt}: file {data.name} has checksum crc32:"), err
     assert err.count("\n") == 1 and "(its content changed)" in err
@@ -107,7 +99,7 @@ def _qwen3_moe_checkpoint(tmp_path: Path, bias: float) -> tuple[Qwen3Model, Path
 
 def test_qwen3_moe_export_refuses_to_drop_a_trained_routing_bias(tmp_path, capsys):
     _, ckpt = _qwen3_moe_checkpoint(tmp_path, bias=0.3)
-    script = _script("convert_dcp_to_hf")
+    script = load_script("convert_dcp_to_hf")
     out = tmp_path / "out"
     assert script.main([str(ckpt), str(out), "--model", "qwen3"]) == 2
     err = capsys.readouterr().err
@@ -179,7 +171,7 @@ def test_last_save_in_hf_says_at_start_that_a_trained_routing_bias_will_skip_the
 
 def test_export_finds_the_model_from_the_weight_names(tmp_path, capsys):
     _, qwen = _qwen3_moe_checkpoint(tmp_path, bias=0.0)
-    script = _script("convert_dcp_to_hf")
+    script = load_script("convert_dcp_to_hf")
     assert script.main([str(qwen), str(tmp_path / "q")]) == 0  # no --model: qwen3
     assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "qwen3_moe"
     capsys.readouterr()

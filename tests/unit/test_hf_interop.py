@@ -8,7 +8,6 @@ the logits by O(1), see the negative control).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.conftest import load_script  # noqa: E402
 from torchtitan.components.checkpoint import (  # noqa: E402
     CheckpointError,
     CheckpointManager,
@@ -40,12 +40,6 @@ from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _script(name: str):
-    """Import scripts/<name>.py (run in-process: its main() is the CLI)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 TOL = 1e-4
 VOCAB = 256
@@ -111,7 +105,7 @@ def test_permutation_roundtrip():
 def test_hf_to_ours_logits_match(tmp_path, capsys, tied):
     hf, folder = _hf_model(tmp_path, tied)
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
     assert "--checkpoint.initial_load_path" in capsys.readouterr().out
     assert fs.verify_checkpoint(str(out)) == ("", fs.read_marker(str(out)))  # a committed checkpoint
     args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))
@@ -141,7 +135,7 @@ def test_ours_to_hf_export_matches(tmp_path, capsys):
     ckpt = tmp_path / "step-7"
     save.save_dcp_single_process({k: v.detach() for k, v in ours.state_dict().items()}, str(ckpt), {"step": 7})
     out = tmp_path / "export"
-    script = _script("convert_dcp_to_hf")
+    script = load_script("convert_dcp_to_hf")
     assert script.main([str(ckpt), str(out), "--flavor", "debugmodel_tiny"]) == 0
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()

@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def kb():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_breakdown", REPO_ROOT / "scripts" / "kernel_breakdown.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield load_script("kernel_breakdown")
+    sys.modules.pop("kernel_breakdown", None)
 
 
 # Kernel names as an H100 trace (torch 2.11) spells them, and where each belongs.

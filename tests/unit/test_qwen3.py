@@ -8,7 +8,6 @@ directions: dense 8.6e-6, MoE 1.1e-5.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.conftest import load_script  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager, fs, hf, load, save  # noqa: E402
 from torchtitan.config.job_config import Checkpoint  # noqa: E402
 from torchtitan.models import get_model_spec  # noqa: E402
@@ -37,11 +37,6 @@ TOL = 1e-4
 VOCAB = 256
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------- published sizes
@@ -178,7 +173,7 @@ def test_hf_to_ours_logits_match(tmp_path, capsys, moe):
         assert args.moe_args.route_norm and args.moe_hidden_dim == 48
     # convert_hf_to_dcp picks qwen3 from config.json's model_type
     out = tmp_path / "dcp"
-    assert _script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
+    assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
     capsys.readouterr()
     assert fs.verify_checkpoint(str(out))[0] == ""
     ours = _ours(args, load.load_dcp_model_tensors(str(out)))
@@ -218,7 +213,7 @@ def test_ours_to_hf_export_matches(tmp_path, capsys, moe):
     save.save_dcp_single_process(weights, str(ckpt), {"step": 7, **hf.model_info(adapter)})
     out = tmp_path / "export"
     # no --flavor: the architecture recorded in the checkpoint (moe_args included) is used
-    assert _script("convert_dcp_to_hf").main([str(ckpt), str(out), "--model", "qwen3"]) == 0
+    assert load_script("convert_dcp_to_hf").main([str(ckpt), str(out), "--model", "qwen3"]) == 0
     capsys.readouterr()
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors"} <= files
