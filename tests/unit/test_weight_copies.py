@@ -87,19 +87,25 @@ def test_validation_with_copies_equals_the_autocast_path(runs):
     assert val[1] == pytest.approx(val[0], rel=1e-6)
 
 
-def test_the_step_runs_on_the_copies_and_writes_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ac", [["none"], ["full"], ["selective",
+                                 "--activation_checkpoint.selective_ac_option", "op"]])
+def test_the_step_runs_on_the_copies_and_writes_them(tmp_path, monkeypatch, ac):
+    """Activation checkpointing recomputes inside the backward: the copies are still in."""
     from torchtitan.step import compute_gradients, optimizer_step
 
     monkeypatch.chdir(REPO_ROOT)
-    with built_trainer(tmp_path, *BF16[:4], "--training.weight_copies", "on") as trainer:
+    with built_trainer(tmp_path, *BF16[:4], "--training.weight_copies", "on",
+                       "--activation_checkpoint.mode", *ac) as trainer:
         copies = trainer.run.weight_copies
         module, master, copy = copies.modules[0], copies.masters[0], copies.copies[0]
         seen = []
         module.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
         before = master.detach().clone()
         compute_gradients(trainer.run, [next(iter(trainer.dataloader))])
-        assert seen == [torch.bfloat16] and module.weight is master
+        assert set(seen) == {torch.bfloat16} and module.weight is master  # AC: seen twice
         assert master.grad is None and copy.grad.dtype == torch.bfloat16
+        assert all(w.grad is None for w in copies.masters)
+        assert all(c.grad is not None for c in copies.copies)
         optimizer_step(trainer.run)
         assert not torch.equal(master, before)
         assert torch.equal(copy, master.to(torch.bfloat16))  # written by the step
