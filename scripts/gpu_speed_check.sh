@@ -3,6 +3,8 @@
 #
 #   scripts/gpu_speed_check.sh WHEELS OUT harness   # ~7 min: ours vs upstream, bf16 + float8,
 #                                                   # plus ours with the levers off, same run
+#                                                   # (HARNESS_SETTINGS=bf16, then =float8: two
+#                                                   # calls of ~4 min where 10 is the limit)
 #   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~4 min: the compiled optimizer steps' CUDA
 #                                                   # tests; the loss path alone at Llama 3 8B's
 #                                                   # output shape; the memory estimate vs the GPU
@@ -40,7 +42,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
                    --training.local_batch_size 2)
     LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step --training.weight_copies off"
 else
-    SETTINGS=(--settings bf16,float8) OPTIM_SETTINGS=(--settings bf16)
+    SETTINGS=(--settings "${HARNESS_SETTINGS:-bf16,float8}") OPTIM_SETTINGS=(--settings bf16)
     PROFILE_RUN=(--settings "${PROFILE_SETTINGS:-bf16}" --steps 20 --log-freq 5 --warmup 10)
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS:-bf16}
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS_LIST//,/ }
