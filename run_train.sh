@@ -23,9 +23,9 @@ Environment variables:
   CONFIG_FILE  TOML job config (default ./train_configs/debug_model.toml), passed as
                --job.config_file.
   MODULE, CONFIG
-               newer upstream style, used when CONFIG_FILE is not set: both together pick a
-               bundled config by name and are passed as --module MODULE --config CONFIG,
-               e.g. MODULE=llama3 CONFIG=llama3_debugmodel.
+               newer upstream style, instead of CONFIG_FILE (setting both is refused): both
+               together pick a bundled config by name and are passed as --module MODULE
+               --config CONFIG, e.g. MODULE=llama3 CONFIG=llama3_debugmodel.
   TRAIN_FILE   trainer entry point: a module run with -m (default torchtitan.train) or a
                path to a .py file.
   COMM_MODE    "" (default): real torchrun job.
@@ -97,8 +97,11 @@ TRAIN_FILE=${TRAIN_FILE:-torchtitan.train}
 COMM_MODE=${COMM_MODE:-}
 export NGPU LOG_RANK
 
-# Which config: CONFIG_FILE wins; otherwise MODULE+CONFIG; otherwise the debug model.
-if [[ -n "${CONFIG_FILE:-}" ]]; then
+# Which config: CONFIG_FILE, or MODULE+CONFIG (never both: one would be ignored), or the
+# debug model.
+if [[ -n "${CONFIG_FILE:-}" && ( -n "${MODULE:-}" || -n "${CONFIG:-}" ) ]]; then
+    die "set CONFIG_FILE or MODULE+CONFIG, not both (one would be ignored); got CONFIG_FILE='$CONFIG_FILE' MODULE='${MODULE:-}' CONFIG='${CONFIG:-}'"
+elif [[ -n "${CONFIG_FILE:-}" ]]; then
     [[ -f "$CONFIG_FILE" ]] || die "CONFIG_FILE '$CONFIG_FILE' does not exist (run from the repository root, or give an absolute path)"
     config_args=(--job.config_file "$CONFIG_FILE")
 elif [[ -n "${MODULE:-}" && -n "${CONFIG:-}" ]]; then
@@ -139,6 +142,14 @@ fake_backend | local_tensor)
     die "COMM_MODE must be empty, fake_backend or local_tensor; got '$COMM_MODE'"
     ;;
 esac
+
+# LOG_RANK names local ranks whose output reaches the console: one that does not exist would
+# leave the console silent.
+IFS=',' read -r -a log_ranks <<<"$LOG_RANK"
+for r in "${log_ranks[@]}"; do
+    [[ "$r" =~ ^[0-9]+$ ]] && ((r < NGPU)) \
+        || die "LOG_RANK='$LOG_RANK' must name local ranks among 0..$((NGPU - 1)) (NGPU=$NGPU), comma separated, e.g. 0"
+done
 
 # On CPU, split the cores between the ranks instead of oversubscribing them.
 if ((NUM_CUDA_GPUS == 0 && NGPU > 1)) && [[ -z "${OMP_NUM_THREADS:-}" ]]; then

@@ -235,6 +235,12 @@ def test_train_file_path_and_exit_code_propagate(tmp_path):
             "CONFIG_FILE './train_configs/nope.toml' does not exist",
         ),
         ({"NGPU": "two"}, "NGPU must be a positive integer, got 'two'"),
+        ({"CONFIG_FILE": "./train_configs/debug_model.toml", "MODULE": "llama3",
+          "CONFIG": "llama3_8b"}, "set CONFIG_FILE or MODULE+CONFIG, not both"),
+        ({"NGPU": "2", "LOG_RANK": "2"},
+         "LOG_RANK='2' must name local ranks among 0..1 (NGPU=2)"),
+        ({"NGPU": "2", "LOG_RANK": "0,one"},
+         "LOG_RANK='0,one' must name local ranks among 0..1 (NGPU=2)"),
         ({"TRAIN_FILE": "missing/train.py"}, "TRAIN_FILE 'missing/train.py' does not exist"),
     ],
 )
@@ -366,3 +372,19 @@ def test_slurm_outside_an_allocation_fails_clearly(tmp_path):
     res = _run(["bash", "multinode_trainer.slurm"], _env(tmp_path, extra_path=[STUBS]))
     assert res.returncode == 2
     assert "SLURM_JOB_NODELIST is not set: submit with sbatch" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"MODULE": "llama3"}, "set both MODULE and CONFIG"),
+     ({"CONFIG_FILE": "./train_configs/llama3_8b.toml", "MODULE": "llama3",
+       "CONFIG": "llama3_70b"}, "set CONFIG_FILE or MODULE+CONFIG, not both")],
+)
+def test_slurm_config_choice_that_would_ignore_a_setting_is_refused(tmp_path, overrides,
+                                                                     message):
+    fake_bin, log = _fake_torchrun(tmp_path)
+    env = _env(tmp_path, extra_path=[fake_bin, STUBS], SLURM_JOB_NODELIST="gpu[01-02]",
+               SLURM_NNODES=2, STUB_NODE_IP="10.0.0.1", **overrides)
+    res = _run(["bash", "multinode_trainer.slurm"], env)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert not log.exists()  # no torchrun started
