@@ -239,5 +239,21 @@ def test_comm_mode_env(monkeypatch):
         get_comm_mode()
 
 
+def test_rank_and_world_size_that_are_no_integers_are_named(monkeypatch):
+    from torchtitan.distributed.utils import world_size_from_env
+
+    monkeypatch.delenv("COMM_MODE", raising=False)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError) as e:
+        comm_mode_from_env(1)
+    assert str(e.value) == "RANK='x' must be an integer"
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError) as e:
+        world_size_from_env()
+    assert str(e.value) == "WORLD_SIZE='two' must be an integer"
+    monkeypatch.setenv("WORLD_SIZE", " 4 ")
+    assert world_size_from_env() == 4
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

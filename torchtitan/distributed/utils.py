@@ -18,8 +18,20 @@ from torchtitan.config.job_config import Comm, Debug
 from torchtitan.tools.logging import logger
 
 
+def env_int(name: str, default: int) -> int:
+    """The integer environment variable ``name`` (``default`` when unset); a ValueError naming
+    it otherwise (``int()``'s own message does not say which variable)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an integer") from None
+
+
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
 
 
 def backend_for(device_type: str) -> str:

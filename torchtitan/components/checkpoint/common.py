@@ -4,7 +4,6 @@ small process-group helpers (each a no-op without an initialised process group).
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -63,7 +62,9 @@ def rank() -> int:
 def world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from torchtitan.distributed.utils import world_size_from_env
+
+    return world_size_from_env()
 
 
 def barrier() -> None:

@@ -42,7 +42,9 @@ def comm_mode_from_env(world_size: int) -> CommMode:
     """The run's CommMode: a real run unless ``COMM_MODE`` names a dry run (RANK picks the
     rank a fake_backend run plays)."""
     mode = get_comm_mode()
-    rank = int(os.environ.get("RANK", "0"))
+    from torchtitan.distributed.utils import env_int
+
+    rank = env_int("RANK", 0)
     if mode is None:
         return CommMode(world_size, rank)
     return COMM_MODES[mode](world_size, rank)
