@@ -27,7 +27,7 @@ from pathlib import Path
 # First match wins; matched against the kernel's name.
 CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(rx, re.I)) for name, rx in [
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter"),
-    ("optimizer (Adam)", r"adam"),
+    ("optimizer step", r"adam"),
     ("grad norm", r"lpnorm|norm_functor|LpMax|l2norm"),
     ("attention", r"flash|fmha|attention|_sdpa|sdpa_|mha_|flex"),
     ("matmul (float8)", r"(e4m3|e5m2|fp8|float8).*(gemm|cutlass|xmma|nvjet|scaled_mm)|"
@@ -42,6 +42,7 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(rx, re.I)) for nam
     ("other elementwise / reduce", r"elementwise|vectorized|reduce_kernel|unrolled"),
 ]]
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+OPTIMIZER = "optimizer step"
 
 
 def categorize(name: str, cat: str = "kernel") -> str:
@@ -102,11 +103,35 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+OPTIMIZER_STEP = "Optimizer.step#"
+"""torch.optim wraps every ``step`` in a profiler range named ``Optimizer.step#<class>.step``."""
+
+
+def _launched_in_optimizer_step(events: list[dict]) -> set[object]:
+    """Correlation ids of the kernels launched inside an optimizer step's range: a compiled
+    step's kernels are named after their fused ops, not after Adam."""
+    ranges = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                    if e.get("ph") == "X" and str(e.get("name", "")).startswith(OPTIMIZER_STEP))
+    found = set()
+    if not ranges:
+        return found
+    for e in events:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or e.get("ph") != "X":
+            continue
+        correlation = (e.get("args") or {}).get("correlation")
+        ts = float(e.get("ts", 0.0))
+        if correlation is not None and any(lo <= ts <= hi for lo, hi in ranges):
+            found.add(correlation)
+    return found
+
+
 def breakdown(trace: dict, path: str = "") -> Breakdown:
-    """The figures of one chrome trace (torch.profiler's ``export_chrome_trace``)."""
+    """The figures of one chrome trace (torch.profiler's ``export_chrome_trace``). A kernel
+    launched inside an optimizer step counts as the optimizer's, whatever its name."""
     events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
     steps = {e["name"] for e in events
              if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")}
+    in_step = _launched_in_optimizer_step(events)
     by_category: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, float] = defaultdict(float)
     intervals = []
@@ -115,7 +140,10 @@ def breakdown(trace: dict, path: str = "") -> Breakdown:
             continue
         dur, ts = float(e.get("dur", 0.0)), float(e.get("ts", 0.0))
         name = str(e.get("name", ""))
-        by_category[categorize(name, e["cat"])] += dur
+        if e["cat"] == "kernel" and (e.get("args") or {}).get("correlation") in in_step:
+            by_category[OPTIMIZER] += dur
+        else:
+            by_category[categorize(name, e["cat"])] += dur
         by_kernel[name] += dur
         intervals.append((ts, ts + dur))
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0.0
