@@ -121,6 +121,9 @@ def test_a_weight_changed_in_place_refreshes_its_copy():
     with copies.active():
         assert lin.weight.dtype == torch.bfloat16
         assert torch.equal(lin.weight, torch.full((3, 4), 0.5, dtype=torch.bfloat16))
+        with copies.active():  # e.g. a validation inside a step
+            pass
+        assert lin.weight.dtype == torch.bfloat16
     assert lin.weight.dtype == torch.float32
 
 

@@ -54,6 +54,7 @@ class WeightCopies:
         self._copy_of = {id(w): c for w, c in zip(self.masters, self.copies)}
         self._index = {id(w): i for i, w in enumerate(self.masters)}
         self._versions = [w._version for w in self.masters]
+        self._depth = 0
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -78,15 +79,20 @@ class WeightCopies:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """The copies stand in for the weights (forward, backward, gradient norm)."""
-        self.refresh()
-        for m, c in zip(self.modules, self.copies):
-            m._parameters["weight"] = c
+        """The copies stand in for the weights (forward, backward, gradient norm); nested
+        uses keep them in until the outermost ends."""
+        if self._depth == 0:
+            self.refresh()
+            for m, c in zip(self.modules, self.copies):
+                m._parameters["weight"] = c
+        self._depth += 1
         try:
             yield
         finally:
-            for m, w in zip(self.modules, self.masters):
-                m._parameters["weight"] = w
+            self._depth -= 1
+            if self._depth == 0:
+                for m, w in zip(self.modules, self.masters):
+                    m._parameters["weight"] = w
 
     def zero_grad(self) -> None:
         for c in self.copies:
