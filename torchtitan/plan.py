@@ -23,7 +23,10 @@ from torchtitan.components.optimizer_in_backward import check_early_step
 from torchtitan.components.weight_copies import check_weight_copies
 from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
-from torchtitan.distributed.compile import validate_compile_components
+from torchtitan.distributed.compile import (
+    check_compile_backend,
+    validate_compile_components,
+)
 from torchtitan.distributed.mixed_precision import autocast_dtype, compute_dtype
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 from torchtitan.models import ModelSpec, get_model_spec
@@ -67,7 +70,18 @@ def import_custom_module(experimental: Experimental) -> None:
     """``experimental.custom_import``: the module that may register a model, a dataset or a
     converter (imported once; later calls are free)."""
     if experimental.custom_import:
-        importlib.import_module(experimental.custom_import)
+        try:
+            importlib.import_module(experimental.custom_import)
+        except ModuleNotFoundError as err:
+            # Only the module itself (or a package on its path) missing is the setting's fault;
+            # a missing import inside an existing module keeps its own message.
+            if err.name is None or not f"{experimental.custom_import}.".startswith(f"{err.name}."):
+                raise
+            raise ImportError(
+                f"experimental.custom_import={experimental.custom_import!r} cannot be imported "
+                f"({err}): give a module on the Python path (e.g. my_pkg.register_model), or "
+                "unset it"
+            ) from None
 
 
 def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:
@@ -235,6 +249,7 @@ def plan_run(cfg: JobConfig, world_size: int, *, tokenizer: Any = None,
     check_validation_seq_len(cfg.validation, model_args)
     check_loss_settings(cfg.training)
     validate_compile_components(cfg.compile)
+    check_compile_backend(cfg.compile)
     check_early_step(cfg, parallel_dims)
     check_state_dtype(cfg.optimizer)
     check_weight_copies(cfg, parallel_dims, autocast_dtype(cfg.training, parallel_dims),

@@ -54,6 +54,24 @@ def validate_compile_components(cfg: Compile) -> None:
         )
 
 
+def check_compile_backend(cfg: Compile) -> None:
+    """Raise ValueError when ``compile.enable`` names a ``compile.backend`` torch.compile does
+    not know (after ``experimental.custom_import``, which may register one). Part of the plan."""
+    if not cfg.enable:
+        return
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(cfg.backend)
+    except InvalidBackend:
+        raise ValueError(
+            f"compile.backend={cfg.backend!r} is not a torch.compile backend: use inductor (the "
+            "default), aot_eager or eager, another name torch._dynamo.list_backends() lists, or "
+            "one registered by experimental.custom_import"
+        ) from None
+
+
 def model_compile_enabled(cfg: Compile) -> bool:
     """True when ``compile.enable`` is set and ``compile.components`` includes ``model``."""
     validate_compile_components(cfg)
