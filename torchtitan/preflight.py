@@ -29,7 +29,14 @@ from torchtitan.tools.logging import logger
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-__all__ = ["USER_ERRORS", "check_dump_folder", "check_run", "default_world_size", "summary"]
+__all__ = [
+    "USER_ERRORS",
+    "check_dump_folder",
+    "check_output_folders",
+    "check_run",
+    "default_world_size",
+    "summary",
+]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,  # ConfigError, ParallelismError and CheckpointError are ValueErrors
@@ -82,23 +89,53 @@ def check_dump_folder(path: str) -> None:
     """``job.dump_folder`` is a folder this process can write in, or one it can create;
     ``ValueError`` naming it otherwise. Creates nothing (the probe is an unnamed temporary
     file). The pre-flight and every rank (``MetricsProcessor``) run it."""
+    if not path.strip():  # os.path.join("", x) would write everything into the working folder
+        raise ValueError(
+            "job.dump_folder is empty: give the folder for the run's outputs (default ./outputs; "
+            "'.' for the working folder)"
+        )
+    _check_folder(path, "job.dump_folder", "use another --job.dump_folder")
+
+
+def _check_folder(path: str, key: str, fix: str) -> None:
     folder = os.path.abspath(os.path.expanduser(path))
     existing = folder
     while not os.path.exists(existing):  # the nearest folder that is there
         existing = os.path.dirname(existing)
-    fix = "use another --job.dump_folder"
     if not os.path.isdir(existing):
         where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
-        raise ValueError(f"job.dump_folder={path} {where}, not a folder: {fix}")
+        raise ValueError(f"{key}={path} {where}, not a folder: {fix}")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
         why = err.strerror or type(err).__name__
         where = "is not writable" if existing == folder else f"cannot be created in {existing}"
-        raise ValueError(
-            f"job.dump_folder={path} {where} ({why}): fix the permissions or {fix}"
-        ) from None
+        raise ValueError(f"{key}={path} {where} ({why}): fix the permissions or {fix}") from None
+
+
+def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
+    """``(key, path)`` of the folders under ``job.dump_folder`` the enabled features write."""
+    dump = cfg.job.dump_folder
+    folders = []
+    if cfg.metrics.enable_tensorboard:
+        folders.append(("metrics.save_tb_folder", cfg.metrics.save_tb_folder))
+    if cfg.profiling.enable_profiling:
+        folders.append(("profiling.save_traces_folder", cfg.profiling.save_traces_folder))
+    if cfg.profiling.enable_memory_snapshot:
+        folders.append(
+            ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder)
+        )
+    return [(key, os.path.join(dump, sub)) for key, sub in folders]
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    """:func:`check_dump_folder`, then each folder an enabled feature writes under it
+    (TensorBoard, profiler traces, memory snapshots): a file there would fail the run at its
+    first write (the profiler's at a trace's end, in C++, without a message)."""
+    check_dump_folder(cfg.job.dump_folder)
+    for key, path in output_folders(cfg):
+        _check_folder(path, key, f"set --{key} to a folder name (under job.dump_folder)")
 
 
 def _dataset_sections(cfg: JobConfig) -> list[tuple[str, Any]]:
@@ -110,7 +147,7 @@ def _dataset_sections(cfg: JobConfig) -> list[tuple[str, Any]]:
 
 def _check_files(cfg: JobConfig) -> None:
     """The dump folder, the tokenizer's file and a local dataset path (a dry run needs none)."""
-    check_dump_folder(cfg.job.dump_folder)
+    check_output_folders(cfg)
     from torchtitan.components.tokenizer import check_tokenizer_file
 
     check_tokenizer_file(cfg.model)

@@ -52,3 +52,43 @@ def test_custom_import_failing_inside_keeps_its_own_error(tmp_path, monkeypatch)
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency"):
         check_run(cfg_of(tmp_path, "--experimental.custom_import", "broken_register"), 1,
                   device_type="cpu")
+
+
+# --- the folders a run writes -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flags", "key"),
+    [
+        (["--metrics.enable_tensorboard"], "metrics.save_tb_folder"),
+        (["--profiling.enable_profiling"], "profiling.save_traces_folder"),
+        (["--profiling.enable_memory_snapshot"], "profiling.save_memory_snapshot_folder"),
+    ],
+)
+def test_output_folder_that_is_a_file_is_refused_before_training(tmp_path, flags, key):
+    """Before: TensorBoard's NotADirectoryError traceback after step 1, the profiler a
+    segmentation fault at its first trace, the memory snapshot a traceback."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    option = "--" + key
+    message = refused(tmp_path, *flags, option, str(afile))
+    assert message == (f"{key}={afile} is a file, not a folder: set {option} to a folder name "
+                       "(under job.dump_folder)")
+    # The rank (python -m torchtitan.train, no launcher) checks it too, before the first step.
+    cfg = cfg_of(tmp_path, *flags, option, str(afile))
+    with pytest.raises(ValueError, match=f"^{key}=.* is a file, not a folder"):
+        MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+    assert afile.read_text() == "x"
+
+
+def test_output_folder_off_feature_is_not_checked(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    check_run(cfg_of(tmp_path, "--metrics.save_tb_folder", str(afile),
+                     "--profiling.save_traces_folder", str(afile)), 1, device_type="cpu")
+
+
+def test_empty_dump_folder_is_refused(tmp_path):
+    """Before: accepted, and the run's files (metrics, checkpoints) went to the working folder."""
+    assert refused(tmp_path, "--job.dump_folder", "").startswith("job.dump_folder is empty")
+    assert refused(tmp_path, "--job.dump_folder", " ").startswith("job.dump_folder is empty")

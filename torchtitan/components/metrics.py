@@ -134,9 +134,9 @@ class MetricsProcessor:
         """``compute_dtype`` is the dtype the model's matmuls run in
         (``distributed.mixed_precision.compute_dtype``): MFU is measured against the device's
         peak for that dtype."""
-        from torchtitan.preflight import check_dump_folder
+        from torchtitan.preflight import check_output_folders
 
-        check_dump_folder(job_config.job.dump_folder)  # not after the first step's work
+        check_output_folders(job_config)  # not after the first step's work
         self.cfg = job_config.metrics
         self.color = _Color(not self.cfg.disable_color_printing)
         self.memory_monitor = MemoryMonitor()
