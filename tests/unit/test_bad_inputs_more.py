@@ -3,6 +3,8 @@ found by feeding the trainer and the launcher realistic user mistakes."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -92,3 +94,41 @@ def test_empty_dump_folder_is_refused(tmp_path):
     """Before: accepted, and the run's files (metrics, checkpoints) went to the working folder."""
     assert refused(tmp_path, "--job.dump_folder", "").startswith("job.dump_folder is empty")
     assert refused(tmp_path, "--job.dump_folder", " ").startswith("job.dump_folder is empty")
+
+
+# --- data files -------------------------------------------------------------------------------
+def test_gz_dataset_that_is_not_gzip(tmp_path):
+    """Before: gzip.BadGzipFile's traceback from the emptiness check, exit 1."""
+    path = tmp_path / "data.jsonl.gz"
+    path.write_bytes(b'{"text": "plain, not compressed"}\n')
+    message = refused(tmp_path, "--training.dataset_path", str(path))
+    assert message.startswith(f"Dataset file {path} cannot be read (BadGzipFile: ")
+    assert "gzip -t" in message
+
+
+def test_truncated_gz_dataset_is_one_line(tmp_path):
+    """A .gz cut short passes the pre-flight (its start is fine); before, HF's failure was
+    explained by re-reading the file, whose EOFError escaped as a traceback."""
+    import gzip
+
+    from torchtitan.datasets.sources import load_text_dataset, resolve_dataset
+
+    path = tmp_path / "data.jsonl.gz"
+    whole = gzip.compress(b'{"text": "hello world"}\n' * 20000)
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError) as info:
+        load_text_dataset(resolve_dataset("mine", str(path)), "mine")
+    assert str(info.value).startswith(f"Dataset file {path} cannot be read (EOFError: ")
+
+
+def test_bad_json_line_is_the_only_error_line(tmp_path, caplog):
+    """HF datasets logged its own 'Failed to load JSON ... error: ...' line before ours."""
+    from torchtitan.datasets.sources import load_text_dataset, resolve_dataset
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "ok"}\n{broken\n')
+    with caplog.at_level(logging.DEBUG, logger="datasets"), pytest.raises(
+        ValueError, match=r"data.jsonl:2: not valid JSON"
+    ):
+        load_text_dataset(resolve_dataset("mine", str(path)), "mine")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, replace
@@ -133,6 +134,19 @@ def _no_download_count():
         hf_config.HF_UPDATE_DOWNLOAD_COUNTS = old
 
 
+@contextlib.contextmanager
+def _hf_errors_unlogged():
+    """HF ``datasets`` logs its own ERROR line ("Failed to load JSON from file ...") before
+    raising; the caller reports the failure in one line of its own instead."""
+    hf_logger = logging.getLogger("datasets")
+    old = hf_logger.level
+    hf_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hf_logger.setLevel(old)
+
+
 def _saved_dataset(path: Path) -> bool:
     """A folder written by ``Dataset.save_to_disk``."""
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
@@ -258,7 +272,7 @@ def _load_local(path: Path, streaming: bool, column: str = "text"):
         return ds.to_iterable_dataset() if streaming else ds
     files = local_files(path)
     try:
-        with _no_download_count():
+        with _no_download_count(), _hf_errors_unlogged():
             ds = datasets.load_dataset(
                 _builder_for(files[0]), data_files=[str(f) for f in files], split="train",
                 streaming=streaming,

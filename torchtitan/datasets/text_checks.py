@@ -9,6 +9,8 @@ Policy (docs/datasets.md):
   silently usually hides a broken export;
 * a line that is not UTF-8 stops the job with the file and the line (HF reads such bytes
   without complaint and fails only when the text is used);
+* a file that cannot be read (a ``.gz`` that is not gzip or is cut short) stops the job naming
+  it;
 * an empty file (no bytes, only whitespace, or a parquet file without rows), and a whole pass over the data that yields no token at all (every document
   empty: the loader would re-loop forever), stop the job naming the file.
 
@@ -18,6 +20,7 @@ so a good file is read once, by HF.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -79,8 +82,30 @@ def check_not_empty(files: list[Path]) -> None:
                 continue
             if rows == 0:
                 raise ValueError(f"Dataset file {path} has no rows: it holds no documents.")
-        elif _blank(path):
+            continue
+        with _reading(path):
+            blank = _blank(path)
+        if blank:
             raise ValueError(f"Dataset file {path} holds only whitespace: it holds no documents.")
+
+
+class Unreadable(ValueError):
+    """A data file that cannot be read or decompressed (one line)."""
+
+
+def unreadable(path: Path, err: BaseException) -> Unreadable:
+    """A data file that cannot be read or decompressed, in one line."""
+    hint = "; a .gz file must be whole and gzip-compressed (gzip -t checks it)" if (
+        path.name.endswith(".gz")) else ""
+    return Unreadable(f"Dataset file {path} cannot be read ({type(err).__name__}: {err}){hint}")
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, EOFError) as err:  # a .gz cut short, or not gzip at all
+        raise unreadable(path, err) from None
 
 
 def _not_utf8(files: list[Path]) -> list[str]:
@@ -91,7 +116,9 @@ def _not_utf8(files: list[Path]) -> list[str]:
     for path in files:
         if path.name.lower().endswith(".parquet"):
             continue
-        with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+        with _reading(path), (
+            gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+        ) as f:
             for lineno, line in enumerate(f, 1):
                 try:
                     line.decode("utf-8")
@@ -119,8 +146,13 @@ def _scan(files: list[Path], column: str) -> tuple[list[str], list[str]]:
     not_json: list[str] = []
     not_text: list[str] = []
     for path in files:
-        if not _is_json_lines(path):
-            continue
+        with _reading(path):
+            _scan_file(path, column, not_json, not_text)
+    return not_json, not_text
+
+
+def _scan_file(path: Path, column: str, not_json: list[str], not_text: list[str]) -> None:
+    if _is_json_lines(path):
         for lineno, line in _records(path):
             try:
                 value = json.loads(line)
@@ -132,7 +164,6 @@ def _scan(files: list[Path], column: str) -> tuple[list[str], list[str]]:
                 shown = json.dumps(text)
                 shown = shown if len(shown) <= 40 else shown[:37] + "..."
                 not_text.append(f"{path}:{lineno}: {column!r} is {type(text).__name__} {shown}, not a string")
-    return not_json, not_text
 
 
 def _summary(bad: list[str], what: str) -> str:
@@ -144,9 +175,12 @@ def _summary(bad: list[str], what: str) -> str:
 
 def explain_load_failure(files: list[Path], column: str, err: BaseException) -> ValueError:
     """HF ``datasets`` failed to read local ``files``: the bad line, in one line."""
-    if _not_utf8(files):
-        return not_utf8_error(files)
-    not_json, not_text = _scan(files, column)
+    try:
+        if _not_utf8(files):
+            return not_utf8_error(files)
+        not_json, not_text = _scan(files, column)
+    except Unreadable as unread:
+        return unread
     if not_json:
         return ValueError(f"Dataset {_summary(not_json, 'not JSON')}")
     if not_text:
