@@ -50,6 +50,8 @@ die() {
 
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || true)}
 [[ -n "$PYTHON" ]] || die "no python on PATH; set PYTHON=/path/to/python"
+command -v "$PYTHON" >/dev/null 2>&1 \
+    || die "PYTHON='$PYTHON' is not an executable: set PYTHON=/path/to/python, or unset it to use python from PATH"
 
 for arg in "$@"; do
     if [[ "$arg" == "--help" || "$arg" == "-h" ]]; then
@@ -119,8 +121,19 @@ if [[ "$TRAIN_FILE" == *.py ]]; then
     [[ -f "$TRAIN_FILE" ]] || die "TRAIN_FILE '$TRAIN_FILE' does not exist"
     entry=("$TRAIN_FILE")
 else
+    # A module that is not there would only fail inside torchrun ("rank 0 failed").
+    "$PYTHON" - "$TRAIN_FILE" >/dev/null 2>&1 <<'EOF' \
+        || die "TRAIN_FILE '$TRAIN_FILE' is neither a .py file nor a module Python can import (run from the repository root, or give the path of a .py file)"
+import importlib.util, sys
+try:
+    sys.exit(importlib.util.find_spec(sys.argv[1]) is None)
+except (ImportError, ValueError):
+    sys.exit(1)
+EOF
     entry=(-m "$TRAIN_FILE")
 fi
+[[ -z "${OMP_NUM_THREADS:-}" || "$OMP_NUM_THREADS" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] \
+    || die "OMP_NUM_THREADS must be a positive integer (CPU threads per rank), got '$OMP_NUM_THREADS'"
 
 case "$COMM_MODE" in
 "") ;;

@@ -242,6 +242,14 @@ def test_train_file_path_and_exit_code_propagate(tmp_path):
         ({"NGPU": "2", "LOG_RANK": "0,one"},
          "LOG_RANK='0,one' must name local ranks among 0..1 (NGPU=2)"),
         ({"TRAIN_FILE": "missing/train.py"}, "TRAIN_FILE 'missing/train.py' does not exist"),
+        # Before: "rank 0 failed (exit code 1)" from torchrun, without the reason.
+        ({"TRAIN_FILE": "torchtitan.trian"},
+         "TRAIN_FILE 'torchtitan.trian' is neither a .py file nor a module Python can import"),
+        # Before: bash's "No such file or directory", exit 127.
+        ({"PYTHON": "/no/such/python"}, "PYTHON='/no/such/python' is not an executable"),
+        # Before: accepted and ignored by the OpenMP runtime.
+        ({"OMP_NUM_THREADS": "four"},
+         "OMP_NUM_THREADS must be a positive integer (CPU threads per rank), got 'four'"),
     ],
 )
 def test_bad_settings_fail_with_one_clear_line(tmp_path, overrides, message):
