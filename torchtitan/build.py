@@ -170,7 +170,13 @@ def log_resolved_config(cfg: JobConfig, rank: int) -> None:
         logger.info(f"Resolved config:\n{config_to_toml(cfg)}")
     if cfg.job.save_config_file:
         path = os.path.join(cfg.job.dump_folder, cfg.job.save_config_file)
-        save_config(cfg, path)
+        try:
+            save_config(cfg, path)
+        except OSError as err:
+            raise ValueError(
+                f"job.save_config_file={cfg.job.save_config_file!r} cannot be written to {path} "
+                f"({err.strerror or type(err).__name__}): give a file name inside job.dump_folder"
+            ) from None
         logger.info(f"Saved the resolved config to {path}")
 
 

@@ -132,3 +132,37 @@ def test_bad_json_line_is_the_only_error_line(tmp_path, caplog):
     ):
         load_text_dataset(resolve_dataset("mine", str(path)), "mine")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+# --- the saved config, the environment --------------------------------------------------------
+@pytest.mark.parametrize("name", [".", "sub/", "/etc/resolved.toml", "../other_run/cfg.toml"])
+def test_save_config_file_outside_the_dump_folder_is_refused(tmp_path, name):
+    """Before: '.' replaced the (not yet made) dump folder by the config file, '/abs' and '..'
+    wrote outside it, 'sub/' wrote a file named 'sub'."""
+    from torchtitan.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^job.save_config_file=.* must be a file name inside"):
+        cfg_of(tmp_path, "--job.save_config_file", name)
+    for fine in ("", "resolved.toml", "configs/resolved.toml"):
+        cfg_of(tmp_path, "--job.save_config_file", fine)
+
+
+def test_save_config_file_that_cannot_be_written_names_the_setting(tmp_path):
+    """Before: '[Errno 21] Is a directory: ...' without the setting."""
+    from torchtitan.build import log_resolved_config
+
+    cfg = cfg_of(tmp_path, "--job.save_config_file", "tb")
+    (tmp_path / "dump" / "tb").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"^job.save_config_file='tb' cannot be written to "):
+        log_resolved_config(cfg, rank=0)
+    assert (tmp_path / "dump" / "tb").is_dir()
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_world_size_below_one_names_the_variable(monkeypatch, value):
+    """Before: torch's 'environment variable RANK expected, but not set' for WORLD_SIZE=0."""
+    from torchtitan.distributed.utils import world_size_from_env
+
+    monkeypatch.setenv("WORLD_SIZE", value)
+    with pytest.raises(ValueError, match=rf"^WORLD_SIZE={value} must be >= 1"):
+        world_size_from_env()

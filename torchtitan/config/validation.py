@@ -170,6 +170,7 @@ def validate(cfg: Any) -> None:
                 "mode 'full' or 'selective'"
             )
     _check_dataset_specs(cfg)
+    _check_save_config_file(cfg.job.save_config_file)
     _check_fault_tolerance(cfg.fault_tolerance)
     dl = cfg.training.dataloader
     if dl.num_workers == 0:
@@ -178,6 +179,19 @@ def validate(cfg: Any) -> None:
                 raise ConfigError(
                     f"training.dataloader.{name} needs training.dataloader.num_workers > 0"
                 )
+
+
+def _check_save_config_file(name: str | None) -> None:
+    """A file name inside ``job.dump_folder``: '.', 'sub/' or '/abs' would replace the dump
+    folder itself, a folder, or a file of another run."""
+    if not name:  # "" is unset, as in TOML (which has no None)
+        return
+    parts = name.split("/")
+    if name.startswith("/") or not parts[-1].strip() or parts[-1] == "." or ".." in parts:
+        raise ConfigError(
+            f"job.save_config_file={name!r} must be a file name inside job.dump_folder, e.g. "
+            "resolved.toml (not a folder, an absolute path or one with '..')"
+        )
 
 
 def _check_dataset_specs(cfg: Any) -> None:

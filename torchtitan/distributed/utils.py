@@ -31,7 +31,14 @@ def env_int(name: str, default: int) -> int:
 
 
 def world_size_from_env() -> int:
-    return env_int("WORLD_SIZE", 1)
+    """``WORLD_SIZE`` (1 when unset); a ValueError naming it when it is not a positive integer."""
+    world_size = env_int("WORLD_SIZE", 1)
+    if world_size < 1:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} must be >= 1 (the number of ranks; torchrun sets it): "
+            "unset it for one process"
+        )
+    return world_size
 
 
 def backend_for(device_type: str) -> str:
