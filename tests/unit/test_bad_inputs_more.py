@@ -166,3 +166,16 @@ def test_world_size_below_one_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("WORLD_SIZE", value)
     with pytest.raises(ValueError, match=rf"^WORLD_SIZE={value} must be >= 1"):
         world_size_from_env()
+
+
+# --- checkpoint -------------------------------------------------------------------------------
+def test_hf_initial_load_without_safetensors_names_the_settings(tmp_path):
+    """Before: '<folder> has no *.safetensors files' from the rank, after the model was built."""
+    empty = tmp_path / "hf"
+    empty.mkdir()
+    message = refused(tmp_path, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                      "--checkpoint.initial_load_path", str(empty))
+    assert message.startswith(
+        f"checkpoint.initial_load_path={empty} with checkpoint.initial_load_in_hf: "
+    )
+    assert "drop --checkpoint.initial_load_in_hf" in message

@@ -82,6 +82,21 @@ def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> Checkpoin
 # --- planning ---------------------------------------------------------------------------------
 
 
+def _check_hf_folder(path: str) -> None:
+    """``initial_load_path`` with ``initial_load_in_hf`` holds HF safetensors weights (their
+    index's shards all there); a CheckpointError naming both settings otherwise."""
+    from torchtitan.components.checkpoint.hf_files import shard_files
+
+    try:
+        shard_files(path)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise CheckpointError(
+            f"checkpoint.initial_load_path={path} with checkpoint.initial_load_in_hf: "
+            f"{err.strerror or err}; point it at a folder of HF *.safetensors weights, or drop "
+            "--checkpoint.initial_load_in_hf for a DCP checkpoint"
+        ) from None
+
+
 def plan_load(
     folder: str, step: int, cfg: CheckpointConfig, resume: bool = True
 ) -> LoadPlan | None:
@@ -199,6 +214,7 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
             f"checkpoint.initial_load_path={path} does not exist; fix the path or unset it"
         )
     if cfg.initial_load_in_hf:
+        _check_hf_folder(path)
         return LoadPlan(
             path=path,
             step=None,
