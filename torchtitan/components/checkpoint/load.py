@@ -83,8 +83,7 @@ def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> Checkpoin
 
 
 def _check_hf_folder(path: str) -> None:
-    """``initial_load_path`` with ``initial_load_in_hf`` holds HF safetensors weights (their
-    index's shards all there); a CheckpointError naming both settings otherwise."""
+    """HF safetensors weights at ``path`` (their index's shards all there), or one line."""
     from torchtitan.components.checkpoint.hf_files import shard_files
 
     try:
