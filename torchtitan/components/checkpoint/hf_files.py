@@ -133,6 +133,18 @@ def shard_files(folder: str) -> tuple[list[str], dict[str, str]]:
     return files, {}
 
 
+
+def check_hf_folder(path: str) -> None:
+    """HF safetensors weights at ``path`` (their index's shards all there), or one line."""
+    try:
+        shard_files(path)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise CheckpointError(
+            f"checkpoint.initial_load_path={path} with checkpoint.initial_load_in_hf: "
+            f"{err.strerror or err}; point it at a folder of HF *.safetensors weights, or drop "
+            "--checkpoint.initial_load_in_hf for a DCP checkpoint"
+        ) from None
+
 def _read(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -29,6 +29,7 @@ from torchtitan.components.checkpoint.common import (
     quiet_dcp,
     rank,
 )
+from torchtitan.components.checkpoint.hf_files import check_hf_folder
 from torchtitan.components.checkpoint.integrity import first_line, is_fatal_interrupt
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
@@ -80,20 +81,6 @@ def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> Checkpoin
 
 
 # --- planning ---------------------------------------------------------------------------------
-
-
-def _check_hf_folder(path: str) -> None:
-    """HF safetensors weights at ``path`` (their index's shards all there), or one line."""
-    from torchtitan.components.checkpoint.hf_files import shard_files
-
-    try:
-        shard_files(path)
-    except (FileNotFoundError, NotADirectoryError) as err:
-        raise CheckpointError(
-            f"checkpoint.initial_load_path={path} with checkpoint.initial_load_in_hf: "
-            f"{err.strerror or err}; point it at a folder of HF *.safetensors weights, or drop "
-            "--checkpoint.initial_load_in_hf for a DCP checkpoint"
-        ) from None
 
 
 def plan_load(
@@ -213,7 +200,7 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
             f"checkpoint.initial_load_path={path} does not exist; fix the path or unset it"
         )
     if cfg.initial_load_in_hf:
-        _check_hf_folder(path)
+        check_hf_folder(path)
         return LoadPlan(
             path=path,
             step=None,
