@@ -83,10 +83,10 @@ class RunParts:
     """The dtype matmuls run in (``float32`` / ``bfloat16``): the MFU peak is chosen by it."""
     loss_parallel: bool
     loss_in_model: bool = False
-    weight_copies: WeightCopies | None = None
-    """Low-precision copies of the linear weights the step runs on (``training.weight_copies``)."""
     """The model's output head computes the summed loss (``model(tokens, labels=labels)``,
     the chunked loss); ``loss_fn`` then only passes it on."""
+    weight_copies: WeightCopies | None = None
+    """Low-precision copies of the linear weights the step runs on (``training.weight_copies``)."""
     converters: ModelConverters = field(default_factory=ModelConverters)
     """``model.converters`` (float8, mx): applied before parallelizing; hooked after each
     optimizer step."""
