@@ -15,16 +15,14 @@ checkpoint settings load. It raises the trainer's own one-line errors (``ConfigE
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torchtitan.config.job_config import JobConfig, Parallelism
 from torchtitan.config.planned import reject_planned_settings
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import logger, logger_level
 
 if TYPE_CHECKING:
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -57,17 +55,6 @@ def default_world_size(parallelism: Parallelism) -> int:
         * p.tensor_parallel_degree
         * p.pipeline_parallel_degree
     )
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Keep the trainer's info/warning lines (the ranks print them) out of the check."""
-    old = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(old)
 
 
 def _check_components(cfg: JobConfig, device_type: str) -> None:
@@ -216,7 +203,7 @@ def check_run(cfg: JobConfig, world_size: int | None, *, on_this_machine: bool =
     off for a dry run (COMM_MODE switches device features off and needs no files) or to check
     a config for another machine. Raises one of :data:`USER_ERRORS` with one line.
     """
-    with _quiet():
+    with logger_level(logger, logging.ERROR):  # the ranks print the info/warning lines
         reject_planned_settings(cfg)
         if on_this_machine:  # torch-free, so a missing file is reported in a blink
             _check_files(cfg)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torchtitan.datasets import text_checks
+from torchtitan.tools.logging import logger_level
 
 __all__ = [
     "DATASETS",
@@ -132,19 +133,6 @@ def _no_download_count():
         yield
     finally:
         hf_config.HF_UPDATE_DOWNLOAD_COUNTS = old
-
-
-@contextlib.contextmanager
-def _hf_errors_unlogged():
-    """HF ``datasets`` logs its own ERROR line ("Failed to load JSON from file ...") before
-    raising; the caller reports the failure in one line of its own instead."""
-    hf_logger = logging.getLogger("datasets")
-    old = hf_logger.level
-    hf_logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        hf_logger.setLevel(old)
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -272,7 +260,9 @@ def _load_local(path: Path, streaming: bool, column: str = "text"):
         return ds.to_iterable_dataset() if streaming else ds
     files = local_files(path)
     try:
-        with _no_download_count(), _hf_errors_unlogged():
+        # HF datasets logs its own ERROR line ("Failed to load JSON from file ...") before
+        # raising; the failure is reported in one line of ours instead
+        with _no_download_count(), logger_level(logging.getLogger("datasets"), logging.CRITICAL):
             ds = datasets.load_dataset(
                 _builder_for(files[0]), data_files=[str(f) for f in files], split="train",
                 streaming=streaming,

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 logger = logging.getLogger("torchtitan")
+
+
+@contextlib.contextmanager
+def logger_level(target: logging.Logger, level: int) -> Iterator[None]:
+    """``target`` at ``level`` for the block, its own level restored after."""
+    old = target.level
+    target.setLevel(level)
+    try:
+        yield
+    finally:
+        target.setLevel(old)
 
 
 def init_logger(level: int = logging.INFO) -> None:
