@@ -7,26 +7,8 @@ import logging
 
 import pytest
 
-from tests.conftest import REPO_ROOT
-from torchtitan.config.manager import ConfigManager
+from tests.unit.test_preflight_files import cfg_of, refused
 from torchtitan.preflight import check_run
-
-DEBUG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
-
-
-def cfg_of(tmp_path, *flags: str):
-    return ConfigManager().parse_args(
-        ["--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path / "dump"), *flags]
-    )
-
-
-def refused(tmp_path, *flags: str) -> str:
-    """The pre-flight's one line for ``flags`` (the plan the ranks run raises the same)."""
-    with pytest.raises((ValueError, FileNotFoundError, ImportError)) as info:
-        check_run(cfg_of(tmp_path, *flags), 1, device_type="cpu")
-    message = str(info.value)
-    assert "\n" not in message
-    return message
 
 
 # --- the plan ---------------------------------------------------------------------------------
