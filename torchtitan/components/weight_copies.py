@@ -5,8 +5,8 @@ Under autocast (one device: no FSDP, no data, tensor, context or pipeline parall
 forward casts each float32 matmul weight to the compute dtype (read 4 bytes, write 2 per
 parameter), the backward casts each weight gradient back to float32 (read 2, write 4), and
 the gradient norm and the optimizer read float32 gradients (4 bytes each). With copies, each
-plain ``nn.Linear`` weight (and the decoder's untied output projection) has a copy in the
-compute dtype: during the step (:meth:`WeightCopies.active`: forward, backward, the gradient
+plain ``nn.Linear`` weight (and the decoder's untied output projection, and torchao's
+``Float8Linear`` weights of a float8 run) has a copy in the compute dtype: during the step (:meth:`WeightCopies.active`: forward, backward, the gradient
 norm) the module holds its copy as its ``weight``, so autocast finds it already cast, its
 gradient stays in the compute dtype (the same values: autocast's cast back to float32 is
 exact), the norm reads it with float32 accumulation, and the optimizer step reads it, updates
@@ -20,12 +20,15 @@ whose weight changed in place since it was written (a checkpoint load, an initia
 refreshed when the step begins (tensor version counters tell).
 
 Numerics: the forward and backward are the autocast path's bit for bit; the gradient norm and
-the AdamW step equal torch's within float32 rounding (tests/unit/test_weight_copies.py).
+the AdamW step equal torch's within float32 rounding. A ``Float8Linear`` casts its copy rather
+than the float32 weight to float8 (what it casts under FSDP's bf16 mixed precision): its float8
+scale can differ in the last bits, losses within 5e-5 (tests/unit/test_weight_copies.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -99,16 +102,28 @@ class WeightCopies:
             c.grad = None
 
 
+def _float8_linear_type() -> type | None:
+    """torchao's ``Float8Linear`` when torchao is already imported (a float8 run imported it
+    to convert the model), else None."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return getattr(module, "Float8Linear", None)
+
+
 def _copyable(module: nn.Module) -> bool:
-    """A plain ``nn.Linear`` (or the decoder's output head): its forward is ``F.linear`` on
-    its weight. Subclasses that convert the weight themselves (float8, MX) are not."""
-    from torch.distributed.tensor import DTensor
+    """A plain ``nn.Linear`` (or the decoder's output head), whose forward is ``F.linear`` on
+    its weight, or torchao's ``Float8Linear``, which casts its weight to float8 in the forward
+    and returns its gradient in the compute dtype: with a copy, the cast reads 2 bytes a
+    parameter rather than 4 (as under FSDP's bf16 mixed precision) and the gradient is not
+    widened to float32. Other subclasses (MX, anything unknown) and weights that are tensor
+    subclasses (DTensor, float8 all-gather weights) are not copied."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from torchtitan.models.common.decoder import OutputHead
 
     weight = getattr(module, "weight", None)
-    return (type(module) in (nn.Linear, OutputHead) and isinstance(weight, torch.Tensor)
-            and not isinstance(weight, DTensor) and weight.dtype == torch.float32)
+    kinds = (nn.Linear, OutputHead, _float8_linear_type())
+    return (type(module) in kinds and isinstance(weight, torch.Tensor)
+            and not is_traceable_wrapper_subclass(weight) and weight.dtype == torch.float32)
 
 
 def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
