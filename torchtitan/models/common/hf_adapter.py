@@ -167,6 +167,31 @@ def require_moe_settings(moe_args: Any, required: dict[str, Any], hf_name: str) 
             )
 
 
+def decoder_hf_config(args: Any, architecture: str, model_type: str, intermediate_size: int,
+                      dtype: str, **family: Any) -> dict[str, Any]:
+    """The ``config.json`` keys every decoder family writes alike (sizes, heads, norm, RoPE
+    base, context, tied embeddings, dtype), then the family's own (``family``, which may
+    override one of them)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.effective_n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "dtype": dtype,  # transformers >= 4.56 reads "dtype" ("torch_dtype" is deprecated)
+        **family,
+    }
+
+
 def routing_bias_dropped(hf_lacks: str) -> Dropped:
     """The MoE load-balancing bias that HF's model (``hf_lacks`` says how) routes without."""
     return Dropped(

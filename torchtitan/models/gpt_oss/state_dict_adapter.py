@@ -31,6 +31,7 @@ from torchtitan.models.common.hf_adapter import (
     HFStateDictAdapter,
     Transform,
     canonical_key,
+    decoder_hf_config,
     fill,
     layer_keys,
     require_moe_settings,
@@ -138,32 +139,20 @@ def hf_config_from_model_args(args: GptOssModelArgs, dtype: str = "float32") -> 
                     beta_slow=args.beta_slow, truncate=args.rope_truncate,
                     original_max_position_embeddings=args.original_seq_len)
     m = args.moe_args
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": args.dim,
-        "intermediate_size": args.moe_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "num_local_experts": m.num_experts,
-        "num_experts_per_tok": m.top_k,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "sliding_window": args.sliding_window_size,
-        "layer_types": [args.layer_type(i) for i in range(args.n_layers)],
-        "rope_parameters": rope,
-        "rope_theta": args.rope_theta,  # with rope_scaling: what transformers 4.x reads
-        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"},
-        "max_position_embeddings": args.max_seq_len,
-        "swiglu_alpha": m.swiglu_alpha,
-        "swiglu_limit": m.swiglu_limit,
-        "attention_bias": args.attention_bias,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "dtype": dtype,
-    }
+    return decoder_hf_config(
+        args, "GptOssForCausalLM", "gpt_oss", args.moe_hidden_dim, dtype,
+        num_local_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        sliding_window=args.sliding_window_size,
+        layer_types=[args.layer_type(i) for i in range(args.n_layers)],
+        rope_parameters=rope,
+        # with rope_scaling: what transformers 4.x reads (rope_theta beside it)
+        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+        swiglu_alpha=m.swiglu_alpha,
+        swiglu_limit=m.swiglu_limit,
+        attention_bias=args.attention_bias,
+        tie_word_embeddings=False,
+    )
 
 
 def _check_hf_moe(m: MoEArgs) -> None:

@@ -19,6 +19,7 @@ from torchtitan.models.common.hf_adapter import (
     TOP_KEYS,
     HFStateDictAdapter,
     RopeHalfSplit,
+    decoder_hf_config,
     interleaved_to_half,
     layer_keys,
     swiglu,
@@ -104,25 +105,8 @@ def model_args_from_hf_config(config: dict[str, Any]) -> TransformerModelArgs:
 
 def hf_config_from_model_args(args: TransformerModelArgs, dtype: str = "float32") -> dict[str, Any]:
     """An HF ``config.json`` dict (LlamaForCausalLM) equivalent to ``args``."""
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.effective_n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "dtype": dtype,  # transformers >= 4.56 reads "dtype" ("torch_dtype" is deprecated)
-    }
+    config = decoder_hf_config(args, "LlamaForCausalLM", "llama", args.ffn_hidden_dim, dtype,
+                               attention_bias=False, mlp_bias=False)
     s = args.rope_scaling
     if s is not None:
         config["rope_scaling"] = {

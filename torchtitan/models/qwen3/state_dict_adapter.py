@@ -27,6 +27,7 @@ from torchtitan.models.common.hf_adapter import (
     MOE_ROUTER,
     TOP_KEYS,
     HFStateDictAdapter,
+    decoder_hf_config,
     layer_keys,
     require_moe_settings,
     routing_bias_dropped,
@@ -85,25 +86,8 @@ def model_args_from_hf_config(config: dict[str, Any]) -> Qwen3ModelArgs:
 
 def hf_config_from_model_args(args: Qwen3ModelArgs, dtype: str = "float32") -> dict[str, Any]:
     """An HF ``config.json`` dict (Qwen3ForCausalLM, or Qwen3MoeForCausalLM with experts)."""
-    config: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.effective_n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "dtype": dtype,
-    }
+    config = decoder_hf_config(args, "Qwen3ForCausalLM", "qwen3", args.hidden_dim, dtype,
+                               attention_bias=False, use_sliding_window=False)
     m = args.moe_args
     if m is not None:
         _check_hf_moe(m)
