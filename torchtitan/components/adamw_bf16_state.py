@@ -181,10 +181,9 @@ class AdamBF16State(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             divisor = self.grad_scale
             for p in group["params"]:
-                copy = self.weight_copies.copy_of(p) if self.weight_copies is not None else None
-                # a copied weight's gradient is its copy's (p.grad: what torch's checkpoint
-                # code sets to initialise the state before loading it)
-                grad = copy.grad if copy is not None and copy.grad is not None else p.grad
+                copies = self.weight_copies
+                copy = copies.copy_of(p) if copies is not None else None
+                grad = copies.grad_of(p) if copies is not None else p.grad
                 if grad is None:
                     continue
                 if isinstance(p, DTensor) and grad.placements != p.placements:

@@ -11,10 +11,15 @@ whichever later step found it; nothing is saved in between, since every save che
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from torchtitan.distributed.comm_mode.local_tensor_load import checkpoint_fqn
 from torchtitan.distributed.utils import scalar_values
 
 
@@ -62,6 +67,54 @@ class FiniteCheck:
         self._values.clear()
         self.last = figures[-1]
         return next((f for f in figures if not f.finite), None)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    return bool(torch.isfinite(local).all())
+
+
+def _ranks_union(names: list[str]) -> list[str]:
+    """``names`` from every rank (each holds its own shards or pipeline stages), in rank
+    order without repeats; this rank's alone outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return names
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return list(dict.fromkeys(n for rank in gathered for n in (rank or [])))
+
+
+def _named(names: list[str], total: int) -> str:
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} of {total} parameters ({shown})"
+
+
+def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
+                     loss_finite: bool) -> str:
+    """Where the current step's non-finite values are, as one sentence for the error line:
+    weights that were already non-finite before the step (a bad checkpoint or initial
+    weights), else whether the forward (a non-finite loss from finite weights) or the backward
+    (a finite loss; named: the last parameter in model order with a non-finite gradient:
+    the backward runs from the output, so it went wrong there or just after) produced them. Run on
+    every rank together (the names are gathered); ``weight_copies``: the run's
+    :class:`~torchtitan.components.weight_copies.WeightCopies` (their gradients) or None."""
+    grad_of = weight_copies.grad_of if weight_copies is not None else (lambda p: p.grad)
+    params = [(checkpoint_fqn(name), p) for part in model_parts
+              for name, p in part.named_parameters()]
+    bad_weights = [name for name, p in params if not _all_finite(p.detach())]
+    bad_grads = [name for name, p in params
+                 if (g := grad_of(p)) is not None and not _all_finite(g)]
+    bad_weights, bad_grads = _ranks_union(bad_weights), _ranks_union(bad_grads)
+    total = len(_ranks_union([name for name, _ in params]))
+    if bad_weights:
+        return f"The weights were already non-finite before this step: {_named(bad_weights, total)}."
+    if not loss_finite:
+        return "The weights were finite, so the forward pass produced it (an overflow or bad input)."
+    if bad_grads:
+        return (f"The loss was finite; the backward made the gradients of "
+                f"{_named(bad_grads, total)} non-finite, nearest the output (in model order) "
+                f"{bad_grads[-1]}: the backward went wrong there or just after it.")
+    return ""
 
 
 def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool) -> str:

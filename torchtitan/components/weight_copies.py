@@ -66,6 +66,12 @@ class WeightCopies:
         """``weight``'s copy (None: not copied)."""
         return self._copy_of.get(id(weight))
 
+    def grad_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight``'s gradient of the step: its copy's where it has one (else its own,
+        which torch's checkpoint loader sets to initialise the optimizer state)."""
+        copy = self._copy_of.get(id(weight))
+        return copy.grad if copy is not None and copy.grad is not None else weight.grad
+
     def written(self, weight: torch.Tensor) -> None:
         """The optimizer wrote ``weight`` and its copy together: the copy is current."""
         i = self._index.get(id(weight))
