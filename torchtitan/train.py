@@ -8,7 +8,6 @@ import torchtitan.tools.interrupts  # noqa: F401
 # isort: split
 
 import gc
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -25,12 +24,7 @@ from torchtitan.components.fault_tolerance.trainer_wiring import (
     build_fault_tolerance,
     semi_sync_optimizer_step,
 )
-from torchtitan.components.finite_check import (
-    FiniteCheck,
-    StepFigures,
-    non_finite_message,
-    where_non_finite,
-)
+from torchtitan.components.finite_check import FiniteCheck, StepFigures, non_finite_message
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
@@ -217,13 +211,9 @@ class Trainer(Stateful):
         resume from. Returns the newest checked step's figures."""
         bad = self.finite.check()
         if bad is not None:
-            where = ""
-            if before_optimizer and bad.step == self.step:  # this step's gradients are here
-                where = where_non_finite(self.model_parts, self.run.weight_copies,
-                                         math.isfinite(bad.loss))
             raise TrainingError(
-                non_finite_message(bad, self.step, optimizer_skipped=before_optimizer)
-                + (f" {where}" if where else "")
+                non_finite_message(bad, self.step, before_optimizer, self.model_parts,
+                                   self.run.weight_copies)
                 + " Lower optimizer.lr or check the data; "
                 + self.checkpointer.resume_hint(bad.step - 1)
             )

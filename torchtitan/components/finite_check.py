@@ -117,12 +117,16 @@ def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
     return ""
 
 
-def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool) -> str:
-    """The first half of the error line (the Trainer adds where to resume from): what became
-    non-finite, at which step, and what happened to the weights since."""
+def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool,
+                       model_parts: Sequence[nn.Module], weight_copies: Any = None) -> str:
+    """The first part of the error line (the Trainer adds where to resume from): what became
+    non-finite, at which step, what happened to the weights since, and, stopped at that step
+    (its gradients are still there), where the non-finite values are (:func:`where_non_finite`,
+    a collective: every rank stops together)."""
     where = f"loss became {bad.loss} (grad norm {bad.grad_norm}) at step {bad.step}"
     if optimizer_skipped and bad.step == step:
-        return f"{where}; the optimizer step was skipped."
+        found = where_non_finite(model_parts, weight_copies, math.isfinite(bad.loss))
+        return f"{where}; the optimizer step was skipped." + (f" {found}" if found else "")
     return (
         f"{where}; found at step {step} (the finite check runs at log steps and before saves "
         f"and validation), nothing after step {bad.step - 1} was saved."
