@@ -75,7 +75,7 @@ compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'
     export PYTHONPATH="$PWD:$work/site:$PWD/scripts"
     # the weight copies' and bf16 state's compiled steps on this GPU (CPU runs skip these)
     if [[ ${SMOKE:-0} != 1 ]]; then  # (on the CPU they skip)
-        step cuda_steps 150 "$py" -m pytest -q -p no:cacheprovider -rs \
+        step cuda_steps 210 "$py" -m pytest -q -p no:cacheprovider -rs \
             tests/unit/test_weight_copies.py tests/unit/test_optimizer_state_dtype.py -k cuda
         tail -3 "$out/cuda_steps.log" >>"$out/summary.txt"
     fi
