@@ -38,6 +38,7 @@ from torchtitan.tools.device import device_type
 from torchtitan.tools.error_file import (
     is_out_of_memory,
     is_peer_failure,
+    out_of_memory_message,
     record_error,
     report_error,
 )
@@ -432,11 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         code = report_error(err, 1)
     except Exception as err:
         if is_out_of_memory(err):
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            args = sys.argv[1:] if argv is None else argv
             code = report_error(
-                f"out of memory ({first}); lower training.local_batch_size or training.seq_len, "
-                "turn on activation checkpointing, or spread the model over more ranks", 1,
-            )
+                out_of_memory_message(err, args, dist_utils.world_size_from_env()), 1)
         elif is_peer_failure(err):
             line = " ".join(str(err).split())[:300]
             logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")

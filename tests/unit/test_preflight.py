@@ -235,6 +235,9 @@ def test_out_of_memory_is_one_line_and_exit_1(monkeypatch, caplog, tmp_path, rai
     errors = [m for m in caplog.messages if m.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: out of memory (")
     assert "lower training.local_batch_size" in errors[0]
+    # the command that predicts this config's peak, with the run's own flags and ranks
+    assert errors[0].endswith(f"`python scripts/estimate_memory.py --world-size 1 --job.config_file "
+                              f"{DEBUG}` shows this config's peak per rank by part")
     assert json.loads((tmp_path / "error.json").read_text())[TRAINER_MARK]["exitcode"] == 1
 
 

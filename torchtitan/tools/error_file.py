@@ -12,7 +12,10 @@ import json
 import os
 import time
 
-__all__ = ["TRAINER_MARK", "is_out_of_memory", "is_peer_failure", "record_error", "report_error"]
+__all__ = [
+    "TRAINER_MARK", "is_out_of_memory", "is_peer_failure", "out_of_memory_message", "record_error",
+    "report_error",
+]
 
 TRAINER_MARK = "torchtitan"
 """Key of the trainer's own entry in a rank's error file."""
@@ -51,6 +54,19 @@ def is_out_of_memory(err: BaseException) -> bool:
     import torch
 
     return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def out_of_memory_message(err: BaseException, argv: list[str], world_size: int) -> str:
+    """The error line of an out-of-memory failure: torch's first line, what to change, and the
+    command that shows this config's predicted peak per rank, part by part."""
+    import shlex
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    estimate = shlex.join(["python", "scripts/estimate_memory.py", "--world-size",
+                           str(world_size), *argv])
+    return (f"out of memory ({first}); lower training.local_batch_size or training.seq_len, "
+            "turn on activation checkpointing, or spread the model over more ranks; "
+            f"`{estimate}` shows this config's peak per rank by part")
 
 
 def is_peer_failure(err: BaseException) -> bool:
