@@ -242,9 +242,9 @@ class Training:
     """Under autocast on one device: keep a copy of each linear layer's weight in the compute
     dtype, written by the optimizer step, instead of casting every weight in every forward and
     every weight gradient back to float32 (less memory traffic and gradient memory; the same
-    numbers up to float32 rounding in the norm and the AdamW step). auto: on CUDA where it
-    applies (one device, autocast, one microbatch per step, the fused optimizer default,
-    clipping in the step)."""
+    numbers up to float32 rounding in the norm and the AdamW step; float8 linears cast their
+    copy, as under FSDP's bf16 mixed precision). auto: on CUDA where it applies (one device,
+    autocast, one microbatch per step, the fused optimizer default, clipping in the step)."""
 
     steps: int = 10000
     """Number of training steps."""
