@@ -57,3 +57,23 @@ def test_simulation_uses_the_threads_of_one_real_cpu_rank(monkeypatch):
     assert local_tensor.real_rank_threads(16) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert local_tensor.real_rank_threads(4) is None  # the user's setting stands
+
+
+def test_a_nan_on_every_simulated_rank_reads_as_nan_and_a_bad_shard_is_found():
+    """The finite check's host copy of a NaN loss under COMM_MODE=local_tensor: LocalTensor's
+    own float() compares the ranks' values, and NaN equals nothing (it raised instead of the
+    one error line). A non-finite value on one simulated rank's shard is found."""
+    import math
+
+    import torch
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    from torchtitan.components.finite_check import _all_finite
+    from torchtitan.distributed.utils import scalar_value
+
+    with LocalTensorMode(2):
+        nan = LocalTensor({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))})
+        assert math.isnan(scalar_value(nan))
+        assert scalar_value(LocalTensor({0: torch.tensor(2.5), 1: torch.tensor(2.5)})) == 2.5
+        assert not _all_finite(LocalTensor({0: torch.ones(2), 1: torch.tensor([1.0, math.inf])}))
+        assert _all_finite(LocalTensor({0: torch.ones(2), 1: torch.ones(2)}))

@@ -71,6 +71,12 @@ class FiniteCheck:
 
 def _all_finite(t: torch.Tensor) -> bool:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    per_rank = getattr(local, "_local_tensors", None)  # COMM_MODE=local_tensor: every rank's
+    if isinstance(per_rank, dict):
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+        with maybe_disable_local_tensor_mode():
+            return all(bool(torch.isfinite(x).all()) for x in per_rank.values())
     return bool(torch.isfinite(local).all())
 
 

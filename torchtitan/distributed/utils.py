@@ -192,7 +192,22 @@ def scalar_value(value: torch.Tensor | float) -> float:
         return math.nan
     if isinstance(value, DTensor):
         value = value.full_tensor()
-    return float(value)
+    same = _same_on_every_simulated_rank(value)
+    return float(value) if same is None else same
+
+
+def _same_on_every_simulated_rank(value: object) -> float | None:
+    """A LocalTensor's value when every simulated rank holds the same one (NaN included:
+    LocalTensor's own ``float()`` compares the ranks' values, and NaN equals nothing); None
+    for anything else."""
+    per_rank = getattr(value, "_local_tensors", None)
+    if not isinstance(per_rank, dict) or not per_rank:
+        return None
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    with maybe_disable_local_tensor_mode():
+        values = {repr(float(t)) for t in per_rank.values()}  # repr: nan == nan
+    return float(values.pop()) if len(values) == 1 else None
 
 
 def scalar_values(values: Sequence[torch.Tensor | float]) -> list[float]:
