@@ -25,6 +25,7 @@ from torchtitan.components.fault_tolerance.trainer_wiring import (
     semi_sync_optimizer_step,
 )
 from torchtitan.components.finite_check import FiniteCheck, StepFigures, non_finite_message
+from torchtitan.components.forward_probe import describe_forward
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
@@ -94,6 +95,7 @@ class Trainer(Stateful):
         # MoE load of the last step (0-dim device tensors; empty if dense)
         self.moe_figures: dict[str, torch.Tensor] = {}
         self.finite = FiniteCheck()  # the unchecked steps' loss and grad norm, on the device
+        self._microbatches: list = []  # the current step's batch (a NaN's diagnosis re-runs it)
         # host -> GPU batches through pinned memory, without waiting for the device's queue
         self._pinned_batches = run.device.type == "cuda" and self.comm_mode.computes_values
         self._flag_device = dist_utils.host_collective_device(run.device)
@@ -178,6 +180,7 @@ class Trainer(Stateful):
         self.optimizers.zero_grad()
         with self.preemption.abortable():  # one process: SIGTERM / Ctrl-C aborts the step here
             microbatches = [self.next_batch(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+            self._microbatches = microbatches
             loss, grad_norm = compute_gradients(self.run, microbatches)
         synchronous_ft = self.ft is not None and not self.ft.semi_sync
         if synchronous_ft:
@@ -214,7 +217,8 @@ class Trainer(Stateful):
         if bad is not None:
             raise TrainingError(
                 non_finite_message(bad, self.step, before_optimizer, self.model_parts,
-                                   self.run.weight_copies)
+                                   self.run.weight_copies,
+                                   lambda: describe_forward(self.run, self._microbatches))
                 + " Lower optimizer.lr or check the data; "
                 + self.checkpointer.resume_hint(bad.step - 1)
             )

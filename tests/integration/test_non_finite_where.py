@@ -40,6 +40,39 @@ def test_a_forward_from_finite_weights_is_told_apart(tmp_path):
     assert "The weights were finite, so the forward pass produced it" in message
 
 
+@pytest.mark.parametrize("flags", [
+    [], ["--training.global_batch_size", "8", "--training.local_batch_size", "4"]])
+def test_a_forward_overflow_is_located_by_a_re_run(tmp_path, flags):
+    """A linear whose output overflows (as an fp16 / bf16 overflow looks: an inf out of a
+    finite layer) inside a block: the re-run of the step's batch (eager, hooks on every
+    module) names that linear, not the block or a later layer that only passed the inf on."""
+    with built_trainer(tmp_path, *flags) as trainer:
+        trainer.model_parts[0].layers["1"].feed_forward.w2.register_forward_hook(
+            lambda module, args, out: out * float("inf"))
+        message = _error_of(trainer)
+    n = 2 if "--training.global_batch_size" in flags else 1
+    assert ("The weights were finite, so the forward pass produced it (an overflow or bad "
+            "input). Re-run on the same batch, the first non-finite value comes out of "
+            f"layers.1.feed_forward.w2 (microbatch 1 of {n}).") in message, message
+
+
+@pytest.mark.slow  # inductor compiles the blocks
+def test_a_functional_op_inside_a_compiled_checkpointed_block_is_located(tmp_path, monkeypatch):
+    """The activation between two linears overflows inside compiled, checkpointed blocks: the
+    re-run runs them eagerly, and the linear that received the inf names its parent's own
+    code before it."""
+    import torch.nn.functional as F
+
+    silu = F.silu
+    monkeypatch.setattr(F, "silu", lambda x, *a, **k: silu(x, *a, **k) * float("inf"))
+    with built_trainer(tmp_path, "--compile.enable", "--activation_checkpoint.mode",
+                       "full") as trainer:
+        message = _error_of(trainer)
+    assert ("Re-run on the same batch, the first non-finite value comes out of "
+            "layers.0.feed_forward (its own code, before layers.0.feed_forward.w2) "
+            "(microbatch 1 of 1).") in message, message
+
+
 @pytest.mark.parametrize("copies", ["off", "on"])
 def test_a_backward_that_went_wrong_names_the_parameter_nearest_the_output(tmp_path, copies):
     """A gradient made infinite where it enters layer 1's feed-forward: every parameter before

@@ -11,7 +11,7 @@ whichever later step found it; nothing is saved in between, since every save che
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,8 @@ class FiniteCheck:
         return next((f for f in figures if not f.finite), None)
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (a DTensor's: this rank's shard)."""
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
     per_rank = getattr(local, "_local_tensors", None)  # COMM_MODE=local_tensor: every rank's
     if isinstance(per_rank, dict):
@@ -96,26 +97,29 @@ def _named(names: list[str], total: int) -> str:
 
 
 def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
-                     loss_finite: bool) -> str:
+                     loss_finite: bool, probe: Callable[[], str] | None = None) -> str:
     """Where the current step's non-finite values are, as one sentence for the error line:
     weights that were already non-finite before the step (a bad checkpoint or initial
     weights), else whether the forward (a non-finite loss from finite weights) or the backward
     (a finite loss; named: the last parameter in model order with a non-finite gradient:
     the backward runs from the output, so it went wrong there or just after) produced them. Run on
     every rank together (the names are gathered); ``weight_copies``: the run's
-    :class:`~torchtitan.components.weight_copies.WeightCopies` (their gradients) or None."""
+    :class:`~torchtitan.components.weight_copies.WeightCopies` (their gradients) or None;
+    ``probe``: where a forward re-run finds the first non-finite output (a sentence)."""
     grad_of = weight_copies.grad_of if weight_copies is not None else (lambda p: p.grad)
     params = [(checkpoint_fqn(name), p) for part in model_parts
               for name, p in part.named_parameters()]
-    bad_weights = [name for name, p in params if not _all_finite(p.detach())]
+    bad_weights = [name for name, p in params if not all_finite(p.detach())]
     bad_grads = [name for name, p in params
-                 if (g := grad_of(p)) is not None and not _all_finite(g)]
+                 if (g := grad_of(p)) is not None and not all_finite(g)]
     bad_weights, bad_grads = _ranks_union(bad_weights), _ranks_union(bad_grads)
     total = len(_ranks_union([name for name, _ in params]))
     if bad_weights:
         return f"The weights were already non-finite before this step: {_named(bad_weights, total)}."
     if not loss_finite:
-        return "The weights were finite, so the forward pass produced it (an overflow or bad input)."
+        found = probe() if probe is not None else ""
+        return ("The weights were finite, so the forward pass produced it (an overflow or bad "
+                "input)." + (f" {found}" if found else ""))
     if bad_grads:
         return (f"The loss was finite; the backward made the gradients of "
                 f"{_named(bad_grads, total)} non-finite, nearest the output (in model order) "
@@ -124,14 +128,15 @@ def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
 
 
 def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool,
-                       model_parts: Sequence[nn.Module], weight_copies: Any = None) -> str:
+                       model_parts: Sequence[nn.Module], weight_copies: Any = None,
+                       probe: Callable[[], str] | None = None) -> str:
     """The first part of the error line (the Trainer adds where to resume from): what became
     non-finite, at which step, what happened to the weights since, and, stopped at that step
     (its gradients are still there), where the non-finite values are (:func:`where_non_finite`,
     a collective: every rank stops together)."""
     where = f"loss became {bad.loss} (grad norm {bad.grad_norm}) at step {bad.step}"
     if optimizer_skipped and bad.step == step:
-        found = where_non_finite(model_parts, weight_copies, math.isfinite(bad.loss))
+        found = where_non_finite(model_parts, weight_copies, math.isfinite(bad.loss), probe)
         return f"{where}; the optimizer step was skipped." + (f" {found}" if found else "")
     return (
         f"{where}; found at step {step} (the finite check runs at log steps and before saves "
