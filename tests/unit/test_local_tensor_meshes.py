@@ -68,12 +68,12 @@ def test_a_nan_on_every_simulated_rank_reads_as_nan_and_a_bad_shard_is_found():
     import torch
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from torchtitan.components.finite_check import _all_finite
+    from torchtitan.components.finite_check import all_finite
     from torchtitan.distributed.utils import scalar_value
 
     with LocalTensorMode(2):
         nan = LocalTensor({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))})
         assert math.isnan(scalar_value(nan))
         assert scalar_value(LocalTensor({0: torch.tensor(2.5), 1: torch.tensor(2.5)})) == 2.5
-        assert not _all_finite(LocalTensor({0: torch.ones(2), 1: torch.tensor([1.0, math.inf])}))
-        assert _all_finite(LocalTensor({0: torch.ones(2), 1: torch.ones(2)}))
+        assert not all_finite(LocalTensor({0: torch.ones(2), 1: torch.tensor([1.0, math.inf])}))
+        assert all_finite(LocalTensor({0: torch.ones(2), 1: torch.ones(2)}))
