@@ -101,7 +101,8 @@ def first_non_finite_output(run: Any, microbatches: Sequence[tuple[torch.Tensor,
         return None
     copies = run.weight_copies.active() if run.weight_copies is not None else contextlib.nullcontext()
     finding = None
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"), copies:
+    with run.comm_mode.step(), torch.no_grad(), torch.compiler.set_stance("force_eager"), \
+            copies:
         for i, (inputs, labels) in enumerate(microbatches, start=1):
             if run.parallel_dims.cp_enabled:  # sharded in place by the context
                 inputs, labels = inputs.clone(), labels.clone()
