@@ -56,6 +56,18 @@ def test_a_forward_overflow_is_located_by_a_re_run(tmp_path, flags):
             f"layers.1.feed_forward.w2 (microbatch 1 of {n}).") in message, message
 
 
+def test_a_non_finite_buffer_the_model_passes_on_names_the_models_own_code(tmp_path):
+    """A NaN in the RoPE table (a buffer: no weight check sees it) reaches every block as an
+    argument: the model's own code, before its first block, is named (not the ModuleDict)."""
+    with built_trainer(tmp_path) as trainer:
+        with torch.no_grad():
+            trainer.model_parts[0].freqs_cis[3] = float("nan")
+        message = _error_of(trainer)
+    assert ("The weights were finite, so the forward pass produced it (an overflow or bad "
+            "input). Re-run on the same batch, the first non-finite value comes out of the model "
+            "(its own code, before layers.0) (microbatch 1 of 1).") in message, message
+
+
 @pytest.mark.slow  # inductor compiles the blocks
 def test_a_functional_op_inside_a_compiled_checkpointed_block_is_located(tmp_path, monkeypatch):
     """The activation between two linears overflows inside compiled, checkpointed blocks: the

@@ -47,6 +47,17 @@ def _all_finite(value: Any) -> bool:
     return all(_finite(t) for t in _tensors(value))
 
 
+def _code_owner(raw_name: str, modules: dict[str, torch.nn.Module]) -> str:
+    """The nearest ancestor of module ``raw_name`` whose forward is code that calls it: not a
+    ``ModuleDict`` / ``ModuleList`` (which hold modules and run nothing)."""
+    parent = raw_name
+    while parent:
+        parent = parent.rpartition(".")[0]
+        if not isinstance(modules.get(parent), (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            break
+    return checkpoint_fqn(parent) or "the model"
+
+
 @contextlib.contextmanager
 def _module_hooks(model_parts: Sequence[torch.nn.Module], found: list[str]):
     """Hooks on every module that record, once, where the first non-finite value appeared: a
@@ -67,10 +78,10 @@ def _module_hooks(model_parts: Sequence[torch.nn.Module], found: list[str]):
         return before, after
 
     for part in model_parts:
-        for raw_name, module in part.named_modules():
+        modules = dict(part.named_modules())
+        for raw_name, module in modules.items():
             name = checkpoint_fqn(raw_name) or "the model"
-            parent = name.rpartition(".")[0] or "the model"
-            before, after = hooks_for(name, parent)
+            before, after = hooks_for(name, _code_owner(raw_name, modules))
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
     try:
