@@ -188,6 +188,13 @@ def clip_in_step(run: RunParts) -> bool:
             and run.optimizers.clips_in_step)
 
 
+def gradients_rescaled(run: RunParts) -> bool:
+    """Whether :func:`compute_gradients` rescales every gradient in place by the clip factor
+    (a non-finite norm then makes every gradient non-finite)."""
+    return (run.job_config.training.max_norm > 0 and not run.optimizers.steps_in_backward
+            and not clip_in_step(run))
+
+
 def optimizer_step(run: RunParts) -> dict[str, torch.Tensor]:
     """Update the MoE load-balancing biases from this step's routing (token counts summed over
     the data- and context-parallel ranks, and the TP ranks when they split the MoE tokens),

@@ -25,7 +25,6 @@ from torchtitan.components.fault_tolerance.trainer_wiring import (
     semi_sync_optimizer_step,
 )
 from torchtitan.components.finite_check import FiniteCheck, StepFigures, non_finite_message
-from torchtitan.components.forward_probe import describe_forward
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.rng_state import RNG_KEY, RNGState
 from torchtitan.components.validate import build_validator
@@ -216,9 +215,7 @@ class Trainer(Stateful):
         bad = self.finite.check()
         if bad is not None:
             raise TrainingError(
-                non_finite_message(bad, self.step, before_optimizer, self.model_parts,
-                                   self.run.weight_copies,
-                                   lambda: describe_forward(self.run, self._microbatches))
+                non_finite_message(bad, self.step, before_optimizer, self.run, self._microbatches)
                 + " Lower optimizer.lr or check the data; "
                 + self.checkpointer.resume_hint(bad.step - 1)
             )

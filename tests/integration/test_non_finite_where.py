@@ -104,6 +104,17 @@ def test_a_backward_that_went_wrong_names_the_parameter_nearest_the_output(tmp_p
             ) in message
 
 
+def test_gradients_rescaled_by_a_non_finite_norm_are_not_used_to_locate(tmp_path):
+    """Clipping by rescaling every gradient (optimizer.no_clip_in_step) multiplies them all by
+    the non-finite norm: the line says so instead of naming the output head."""
+    with built_trainer(tmp_path, "--optimizer.no_clip_in_step") as trainer:
+        trainer.model_parts[0].layers["1"].feed_forward.register_full_backward_pre_hook(
+            lambda module, grad_out: (grad_out[0] * float("inf"),))
+        message = _error_of(trainer)
+    assert ("The loss was finite; the backward made the grad norm non-finite, and clipping "
+            "rescaled every gradient by it, so they cannot say where") in message, message
+
+
 NAN_ON_RANK_1 = textwrap.dedent(
     """
     import sys

@@ -97,7 +97,8 @@ def _named(names: list[str], total: int) -> str:
 
 
 def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
-                     loss_finite: bool, probe: Callable[[], str] | None = None) -> str:
+                     loss_finite: bool, probe: Callable[[], str] | None = None,
+                     grads_rescaled: bool = False) -> str:
     """Where the current step's non-finite values are, as one sentence for the error line:
     weights that were already non-finite before the step (a bad checkpoint or initial
     weights), else whether the forward (a non-finite loss from finite weights) or the backward
@@ -105,7 +106,8 @@ def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
     the backward runs from the output, so it went wrong there or just after) produced them. Run on
     every rank together (the names are gathered); ``weight_copies``: the run's
     :class:`~torchtitan.components.weight_copies.WeightCopies` (their gradients) or None;
-    ``probe``: where a forward re-run finds the first non-finite output (a sentence)."""
+    ``probe``: where a forward re-run finds the first non-finite output (a sentence);
+    ``grads_rescaled``: clipping rescaled every gradient by the (non-finite) norm."""
     grad_of = weight_copies.grad_of if weight_copies is not None else (lambda p: p.grad)
     params = [(checkpoint_fqn(name), p) for part in model_parts
               for name, p in part.named_parameters()]
@@ -120,6 +122,10 @@ def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
         found = probe() if probe is not None else ""
         return ("The weights were finite, so the forward pass produced it (an overflow or bad "
                 "input)." + (f" {found}" if found else ""))
+    if bad_grads and grads_rescaled:
+        return ("The loss was finite; the backward made the grad norm non-finite, and clipping "
+                "rescaled every gradient by it, so they cannot say where (clipping inside the "
+                "optimizer step, optimizer.clip_in_step, leaves them as the backward made them).")
     if bad_grads:
         return (f"The loss was finite; the backward made the gradients of "
                 f"{_named(bad_grads, total)} non-finite, nearest the output (in model order) "
@@ -127,16 +133,23 @@ def where_non_finite(model_parts: Sequence[nn.Module], weight_copies: Any,
     return ""
 
 
-def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool,
-                       model_parts: Sequence[nn.Module], weight_copies: Any = None,
-                       probe: Callable[[], str] | None = None) -> str:
+def non_finite_message(bad: StepFigures, step: int, optimizer_skipped: bool, run: Any = None,
+                       microbatches: Sequence[Any] = ()) -> str:
     """The first part of the error line (the Trainer adds where to resume from): what became
     non-finite, at which step, what happened to the weights since, and, stopped at that step
-    (its gradients are still there), where the non-finite values are (:func:`where_non_finite`,
-    a collective: every rank stops together)."""
+    (its gradients are still there) with its ``run`` (:class:`~torchtitan.build.RunParts`)
+    and ``microbatches``, where the non-finite values are (:func:`where_non_finite`, a
+    collective: every rank stops together)."""
     where = f"loss became {bad.loss} (grad norm {bad.grad_norm}) at step {bad.step}"
     if optimizer_skipped and bad.step == step:
-        found = where_non_finite(model_parts, weight_copies, math.isfinite(bad.loss), probe)
+        found = ""
+        if run is not None:
+            from torchtitan.components.forward_probe import describe_forward
+            from torchtitan.step import gradients_rescaled
+
+            found = where_non_finite(
+                run.model_parts, run.weight_copies, math.isfinite(bad.loss),
+                lambda: describe_forward(run, microbatches), gradients_rescaled(run))
         return f"{where}; the optimizer step was skipped." + (f" {found}" if found else "")
     return (
         f"{where}; found at step {step} (the finite check runs at log steps and before saves "
