@@ -6,10 +6,11 @@ skipped), under the same contexts (weight copies, loss parallel, context paralle
 gradients and eagerly (``torch.compiler.set_stance("force_eager")``, so the hooks of modules
 inside compiled blocks fire). A module's forward hook runs after its submodules', so the first
 hook to see a non-finite output names the innermost, earliest module that produced one (a
-linear layer, say); a module whose inputs already are non-finite names its parent's own code
-(attention, RoPE, a residual add between submodules). Every rank
-re-runs its own batch together (SPMD layouts: FSDP, DDP, TP, CP, EP); the earliest finding over
-the ranks is reported. Pipeline-parallel runs are not probed (their forward is a schedule).
+linear layer, say); a module whose inputs already are non-finite names the code that passed
+them on: its nearest ancestor that runs code (attention, RoPE, a residual add between
+submodules; not a ModuleDict). Every rank re-runs its own batch together (SPMD layouts:
+FSDP, DDP, TP, CP, EP); the earliest finding over the ranks is reported. Pipeline-parallel
+runs are not probed (their forward is a schedule).
 """
 
 from __future__ import annotations
