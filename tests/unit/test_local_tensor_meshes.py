@@ -68,8 +68,7 @@ def test_a_nan_on_every_simulated_rank_reads_as_nan_and_a_bad_shard_is_found():
     import torch
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-    from torchtitan.components.finite_check import all_finite
-    from torchtitan.distributed.utils import scalar_value
+    from torchtitan.distributed.utils import all_finite, scalar_value
 
     with LocalTensorMode(2):
         nan = LocalTensor({0: torch.tensor(float("nan")), 1: torch.tensor(float("nan"))})

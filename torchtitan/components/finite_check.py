@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan.distributed.comm_mode.local_tensor_load import checkpoint_fqn
-from torchtitan.distributed.utils import scalar_values
+from torchtitan.distributed.utils import all_finite, scalar_values
 
 
 @dataclass(frozen=True)
@@ -67,18 +67,6 @@ class FiniteCheck:
         self._values.clear()
         self.last = figures[-1]
         return next((f for f in figures if not f.finite), None)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite (a DTensor's: this rank's shard)."""
-    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-    per_rank = getattr(local, "_local_tensors", None)  # COMM_MODE=local_tensor: every rank's
-    if isinstance(per_rank, dict):
-        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-        with maybe_disable_local_tensor_mode():
-            return all(bool(torch.isfinite(x).all()) for x in per_rank.values())
-    return bool(torch.isfinite(local).all())
 
 
 def _ranks_union(names: list[str]) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.distributed.comm_mode.local_tensor_load import checkpoint_fqn
+from torchtitan.distributed.utils import all_finite
 
 __all__ = ["describe_forward", "first_non_finite_output"]
 
@@ -39,8 +40,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _finite(t: torch.Tensor) -> bool:
-    from torchtitan.components.finite_check import all_finite
-
     return not (t.is_floating_point() or t.is_complex()) or all_finite(t.detach())
 
 

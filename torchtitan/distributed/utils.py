@@ -210,6 +210,18 @@ def _same_on_every_simulated_rank(value: object) -> float | None:
     return float(values.pop()) if len(values) == 1 else None
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (a DTensor's: this rank's shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    per_rank = getattr(local, "_local_tensors", None)  # COMM_MODE=local_tensor: every rank's
+    if isinstance(per_rank, dict):
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+        with maybe_disable_local_tensor_mode():
+            return all(bool(torch.isfinite(x).all()) for x in per_rank.values())
+    return bool(torch.isfinite(local).all())
+
+
 def scalar_values(values: Sequence[torch.Tensor | float]) -> list[float]:
     """:func:`scalar_value` of each; plain tensors on one device are copied to the host together
     (one transfer, exact: float64 holds every float32 and bfloat16 value)."""
