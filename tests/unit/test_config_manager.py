@@ -660,3 +660,19 @@ def test_upstream_per_family_config_paths(path, model, flavor):
     root = Path(__file__).resolve().parents[2]
     cfg = ConfigManager().parse_args(["--job.config_file", str(root / path)])
     assert (cfg.model.name, cfg.model.flavor) == (model, flavor)
+
+
+def test_an_empty_toml_warns_that_it_sets_nothing(tmp_path, caplog):
+    """A config file that parses to nothing (emptied by a failed write, a wrong file) runs on
+    the defaults, and says so; a real config does not."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing here yet\n")
+    with caplog.at_level("WARNING"):
+        cfg = ConfigManager().parse_args(["--job.config_file", str(empty)])
+    assert cfg.training.steps == JobConfig().training.steps
+    assert [m for m in caplog.messages if "sets nothing" in m] == [
+        f"{empty} sets nothing (an empty TOML): every setting not given as a flag is its default"]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")])
+    assert not [m for m in caplog.messages if "sets nothing" in m]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -57,6 +58,9 @@ __all__ = [
 PROG = "python -m torchtitan.config_manager"
 
 
+logger = logging.getLogger(__name__)
+
+
 class ConfigManager:
     """Builds the JobConfig for a run: defaults < TOML < CLI flags."""
 
@@ -85,6 +89,9 @@ class ConfigManager:
         where = config_file or ""
         if config_file is not None:
             toml_data = read_toml(config_file)
+            if not toml_data:
+                logger.warning(f"{config_file} sets nothing (an empty TOML): every setting not "
+                               "given as a flag is its default")
             try:
                 legacy.migrate_toml(toml_data, config_file)
             except legacy.LegacyValueError as exc:
