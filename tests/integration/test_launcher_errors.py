@@ -222,4 +222,7 @@ def test_error_inside_every_rank_is_shown_once(launch_env, dump_folder, tmp_path
         launch_env,
     )
     line = assert_one_error_line(code, out, f"{bad}:1: not UTF-8 (byte 0xe9 at column 14)")
-    assert line.startswith("[rank0]:")  # rank 0 said it; the launcher does not repeat it
+    # rank 0 said it and the launcher did not repeat it; or rank 1 failed first, torchrun
+    # stopped rank 0 before it could say it, and the launcher showed rank 1's line (a race:
+    # about 1 run in 10)
+    assert line.startswith("[rank0]:") or "(rank 1; every rank's output: " in line, line
