@@ -243,7 +243,13 @@ class Trainer(Stateful):
                 logger.warning(note)
         self._install_preemption_handler()
         data_iterator = iter(self.dataloader)
-        logger.info(f"Training starts at step {self.step + 1}")
+        if self.step >= cfg.training.steps:  # e.g. a finished job started again
+            logger.warning(
+                f"Nothing to train: the checkpoint loaded is at step {self.step} and "
+                f"training.steps={cfg.training.steps}; raise --training.steps to train on"
+            )
+        else:
+            logger.info(f"Training starts at step {self.step + 1}")
         dump_folder = cfg.job.dump_folder
         with (
             maybe_enable_profiling(

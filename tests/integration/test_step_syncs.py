@@ -103,15 +103,15 @@ def _logged(dump: Path) -> dict[int, dict]:
 def test_no_host_copies_outside_log_steps_and_same_logged_numbers(tmp_path, monkeypatch, one_thread):
     trainer, copies = _run(tmp_path / "every4", monkeypatch, "--metrics.log_freq", "4")
     assert trainer.step == STEPS
-    # steps 1 and 4 log, step 6 ends the run; 2, 3 and 5 copy nothing to the host
+    # steps 1 and 4 log, step 6 ends the run (and logs); 2, 3 and 5 copy nothing to the host
     quiet = {step: copies.by_step.get(step, []) for step in (2, 3, 5)}
     assert quiet == {2: [], 3: [], 5: []}, quiet
     assert copies.by_step[1] and copies.by_step[4]  # the counter sees the log steps' copies
 
     _run(tmp_path / "every1", monkeypatch, "--metrics.log_freq", "1")
     every4, every1 = _logged(tmp_path / "every4"), _logged(tmp_path / "every1")
-    assert sorted(every4) == [1, 4] and sorted(every1) == list(range(1, STEPS + 1))
-    for step in (1, 4):
+    assert sorted(every4) == [1, 4, STEPS] and sorted(every1) == list(range(1, STEPS + 1))
+    for step in (1, 4, STEPS):
         for key in ("loss", "grad_norm", "lr", "tokens"):
             assert every4[step][key] == every1[step][key], (step, key)  # exact
 

@@ -254,3 +254,19 @@ def test_save_config_file_written_and_round_trips(tmp_path):
     again = ConfigManager().parse_args(["--job.config_file", str(saved)])
     again.job.config_file = trainer.job_config.job.config_file
     assert again == trainer.job_config
+
+
+def test_a_resume_at_or_past_the_last_step_says_nothing_is_trained(tmp_path, caplog):
+    """A finished job started again (or training.steps lowered below the checkpoint) used to
+    log "Training starts at step 5" and end without a word about why nothing ran."""
+    import logging
+
+    run_tiny(tmp_path, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
+    for steps in ("2", "1"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="torchtitan"):
+            again = run_tiny(tmp_path, "--training.steps", steps, "--checkpoint.enable")
+        assert again.history == [] and again.step == 2
+        assert (f"Nothing to train: the checkpoint loaded is at step 2 and training.steps={steps}; "
+                "raise --training.steps to train on") in caplog.text
+        assert "Training starts" not in caplog.text

@@ -72,3 +72,12 @@ def test_a_new_run_moves_earlier_runs_aside_never_truncates(dump_folder, caplog)
     moved = [m for m in caplog.messages if m.startswith("Metrics:")]
     path = dump_folder / METRICS_JSONL
     assert moved == [f"Metrics: this run starts at step 1; the earlier {path} is now {path}.1"] * 2
+
+
+def test_the_last_step_is_logged_whatever_the_frequency(dump_folder):
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.log_freq, cfg.training.steps = 5, 12
+    mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+    assert [s for s in range(1, 13) if mp.should_log(s)] == [1, 5, 10, 12]
+    mp.close()

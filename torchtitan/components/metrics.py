@@ -138,6 +138,7 @@ class MetricsProcessor:
 
         check_output_folders(job_config)  # not after the first step's work
         self.cfg = job_config.metrics
+        self.last_step = job_config.training.steps
         self.color = _Color(not self.cfg.disable_color_printing)
         self.memory_monitor = MemoryMonitor()
         self.peak_flops = get_peak_flops(compute_dtype)
@@ -162,7 +163,9 @@ class MetricsProcessor:
             )
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.log_freq == 0
+        """Step 1, every ``metrics.log_freq``-th step, and the last step (its loss is the run's
+        result, whatever the frequency)."""
+        return step == 1 or step % self.cfg.log_freq == 0 or step == self.last_step
 
     def log(
         self,

@@ -76,7 +76,7 @@ class Profiling:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Log metrics every this many steps."""
+    """Log metrics every this many steps (and at step 1 and the last step)."""
 
     enable_tensorboard: bool = False
     """Write metrics to TensorBoard."""
