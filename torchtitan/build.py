@@ -283,12 +283,14 @@ def build_run(cfg: JobConfig, comm_mode: CommMode, device: torch.device | None =
         set_attention_backend(model_parts, sdpa_backend, cfg.model.attention_backend != "auto")
         autocast = autocast_dtype(cfg.training, parallel_dims)
         log_precision(cfg.training, parallel_dims)
+        cast_to_bf16 = not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16"
+        comm_mode.check_state_memory(model_parts, cfg, device.type, 2 if cast_to_bf16 else None)
         with comm_mode.materialize():
             for part in model_parts:
                 part.to_empty(device=device)
                 with torch.no_grad(), comm_mode.init_weights():
                     part.init_weights(buffer_device=None)
-                if not parallel_dims.fsdp_enabled and cfg.training.dtype == "bfloat16":
+                if cast_to_bf16:
                     part.to(to_torch_dtype(cfg.training.dtype, "training.dtype"))
                 if autocast is not None:
                     apply_autocast(part, device.type, autocast)

@@ -14,7 +14,8 @@ pre-flight check before it and one line after a failure. ``./run_train.sh`` runs
    :func:`torchtitan.tools.error_file.record_error`), else the first rank that failed. The
    line is printed only when the console has not shown it already (``--local-ranks-filter``,
    i.e. ``LOG_RANK``). The exit code is that rank's: 2 for a bad config or a missing file, 1
-   for a training error, 3 for a collective timeout, 128+N for a rank killed by signal N.
+   for a training error, 3 for a collective timeout, 128+N for a rank killed by signal N
+   (a SIGKILL from the kernel's out-of-memory killer is named as such, with what to change).
 4. **Ctrl-C** goes on to the ranks (torchrun starts them in their own sessions): the first
    stops them after the step with a checkpoint, like SIGTERM; a second stops them at once.
    Either way, and before any rank started, the launcher ends killed by SIGINT (the shell
@@ -27,9 +28,11 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
-from torchtitan.tools.error_file import TRAINER_MARK, record_error
+from torchtitan.tools.error_file import TRAINER_MARK, host_out_of_memory_message, record_error
+from torchtitan.tools.host_memory import killed_by_oom_killer, oom_kill_count
 from torchtitan.tools.interrupts import INTERRUPTED, ForwardedInterrupts, end_as_interrupted
 
 __all__ = ["TRAINER_MARK", "main", "record_error"]
@@ -123,8 +126,11 @@ def _one_line(text: Any) -> str:
     return text[len("error: ") :] if text.startswith("error: ") else text
 
 
-def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir: str) -> int:
-    """Print the root cause of ``failures`` (rank -> ProcessFailure) once; its exit code."""
+def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir: str,
+                      oom_killed: Callable[[], str | None] = lambda: None) -> int:
+    """Print the root cause of ``failures`` (rank -> ProcessFailure) once; its exit code.
+    ``oom_killed()`` explains a SIGKILL that the kernel's out-of-memory killer sent (else
+    None)."""
     ours = {r: f for r, f in failures.items() if TRAINER_MARK in (f.error_file_data or {})}
     if ours:
         rank, root = min(ours.items(), key=lambda kv: kv[1].error_file_data[TRAINER_MARK]["time"])
@@ -143,6 +149,8 @@ def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir:
         what = _one_line(root.message.get("message", ""))
     elif code < 0:
         what = f"killed by signal {root.signal_name()}"
+        if root.signal_name() == "SIGKILL":
+            what = oom_killed() or what
     else:
         what = f"exit code {code}"
     print(f"error: rank {rank} failed ({what}); its output: {log_dir}", file=sys.stderr)
@@ -200,13 +208,20 @@ def _launch(opts: list[str], entry: list[str], interrupts: ForwardedInterrupts |
     honour_shutdown_timeout_on_failure(int(shutdown_timeout or 30))
     args = parser.parse_args([*opts, *entry])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
+    oom_kills = oom_kill_count()
     try:
         run(args)
     except ChildFailedError as err:
         reported = any(TRAINER_MARK in (f.error_file_data or {}) for f in err.failures.values())
         if interrupts is not None and interrupts.count and not reported:
             return INTERRUPTED  # stopped by the Ctrl-C (killed, or before the trainer ran)
-        return summarize_failure(err.failures, _shown_local_ranks(opts), log_dir)
+
+        def oom_killed() -> str | None:
+            if not killed_by_oom_killer(oom_kills):
+                return None
+            return host_out_of_memory_message(trainer_args, _world_size(opts))
+
+        return summarize_failure(err.failures, _shown_local_ranks(opts), log_dir, oom_killed)
     return 0
 
 

@@ -226,3 +226,19 @@ def test_error_inside_every_rank_is_shown_once(launch_env, dump_folder, tmp_path
     # stopped rank 0 before it could say it, and the launcher showed rank 1's line (a race:
     # about 1 run in 10)
     assert line.startswith("[rank0]:") or "(rank 1; every rank's output: " in line, line
+
+
+@pytest.mark.slow
+def test_a_model_too_big_for_this_machine_is_one_line_before_allocating(launch_env, dump_folder):
+    """70B's weights, gradients and AdamW states (~1 TiB) on a CPU machine: the ranks used
+    to allocate until the kernel's OOM killer stopped one (a bare SIGKILL, or a frozen
+    machine); now they add up their states on this host and stop in one line."""
+    code, out = run_train(
+        ["--model.flavor", "70B", "--training.seq_len", "64", "--training.local_batch_size", "1",
+         "--job.dump_folder", str(dump_folder)],
+        launch_env,
+    )
+    line = assert_one_error_line(
+        code, out, "out of host memory before the first step: the weights, gradients and AdamW "
+        "states of the 2 ranks on this machine alone need 1051.3 GiB, and this machine has ")
+    assert line.startswith("[rank0]:"), line

@@ -13,8 +13,8 @@ import os
 import time
 
 __all__ = [
-    "TRAINER_MARK", "is_out_of_memory", "is_peer_failure", "out_of_memory_message", "record_error",
-    "report_error",
+    "TRAINER_MARK", "host_out_of_memory_message", "is_out_of_memory", "is_peer_failure",
+    "out_of_memory_message", "record_error", "report_error",
 ]
 
 TRAINER_MARK = "torchtitan"
@@ -59,13 +59,24 @@ def is_out_of_memory(err: BaseException) -> bool:
 def out_of_memory_message(err: BaseException, argv: list[str], world_size: int) -> str:
     """The error line of an out-of-memory failure: torch's first line, what to change, and the
     command that shows this config's predicted peak per rank, part by part."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return f"out of memory ({first}); {_what_to_change(argv, world_size)}"
+
+
+def host_out_of_memory_message(argv: list[str] | None, world_size: int | None) -> str:
+    """The launcher's line for a rank that the kernel's out-of-memory killer stopped; what to
+    change when the rank ran the trainer with flags ``argv``."""
+    what = "killed by the kernel's out-of-memory killer (SIGKILL): the ranks ran out of host memory"
+    return what if argv is None else f"{what}; {_what_to_change(argv, world_size)}"
+
+
+def _what_to_change(argv: list[str], world_size: int | None) -> str:
     import shlex
 
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
     estimate = shlex.join(["python", "scripts/estimate_memory.py", "--world-size",
-                           str(world_size), *argv])
-    return (f"out of memory ({first}); lower training.local_batch_size or training.seq_len, "
-            "turn on activation checkpointing, or spread the model over more ranks; "
+                           str(world_size or 1), *argv])
+    return ("lower training.local_batch_size or training.seq_len, turn on activation "
+            "checkpointing, or spread the model over more ranks; "
             f"`{estimate}` shows this config's peak per rank by part")
 
 

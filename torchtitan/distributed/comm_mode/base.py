@@ -46,6 +46,21 @@ class CommMode:
         returns one rank's :class:`~torchtitan.tools.memory_estimation.MemoryEstimate` (costs a
         fake-tensor build and two steps, so a mode calls it only when it needs it)."""
 
+    def check_state_memory(self, model_parts: list[Any], job_config: JobConfig,
+                           device_type: str, param_itemsize: int | None) -> None:
+        """Refuse in one line (before the weights are materialised) a CPU run whose weights,
+        gradients and optimizer states alone exceed this machine's free memory: the kernel
+        would kill a rank without a word. A GPU run's OOM names itself."""
+        if device_type != "cpu" or not self.computes_values:
+            return
+        from torchtitan.tools.host_memory import check_training_state_fits, training_state_bytes
+
+        opt = job_config.optimizer
+        need = training_state_bytes(
+            (p for part in model_parts for p in part.parameters()), opt.state_dtype, param_itemsize
+        )
+        check_training_state_fits(need, opt.name)
+
     # --- data -----------------------------------------------------------------------------
     def build_tokenizer(self, build: Callable[[Any], Any], model_config: Any) -> Any:
         return build(model_config)

@@ -291,6 +291,9 @@ class LocalTensorSim(CommMode):
             "process group"
         )
 
+    def check_state_memory(self, model_parts, job_config, device_type, param_itemsize) -> None:
+        """Done by :meth:`check_memory`, for every simulated rank and the whole step."""
+
     def check_memory(self, estimate: Callable[[], Any]) -> None:
         """This process holds every simulated rank's tensors: estimate the total (one rank's
         fake-tensor estimate x ranks) and refuse in one line when it exceeds what is free."""

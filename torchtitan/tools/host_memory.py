@@ -1,0 +1,159 @@
+"""Host (CPU) memory: what is left of it, whether a CPU run's training state fits, and whether
+the kernel's out-of-memory killer stopped a rank.
+
+A CPU run that does not fit is not told so by torch: the kernel kills the rank with SIGKILL,
+and the shell shows "Killed" (or torchrun "exit code -9"). Two checks turn that into a line
+for people:
+
+* before the weights are materialised, :func:`check_training_state_fits` adds up what the
+  weights, their gradients and AdamW's two states will hold on the ranks of this machine, and
+  refuses (exit 2) when that alone exceeds the memory the machine has left;
+* after a rank died of SIGKILL, :func:`killed_by_oom_killer` tells from the kernel's OOM-kill
+  counter whether memory was the reason (``torchtitan.launch`` then says so).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+GiB = 1024**3
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+__all__ = [
+    "available_host_bytes", "check_training_state_fits", "killed_by_oom_killer",
+    "oom_kill_count", "training_state_bytes",
+]
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 1024**2:.0f} MiB"
+
+
+def _meminfo(path: str) -> dict[str, int]:
+    """/proc/meminfo's fields in bytes (empty when it cannot be read)."""
+    fields = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return fields
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 says "max" for no limit
+
+
+def _cgroup_room(proc_cgroup: str, cgroup_root: str) -> int | None:
+    """Bytes this process's memory cgroup (v2 or v1) still admits; None without a limit."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        path = path.lstrip("/")
+        if controllers == "":  # v2
+            base = os.path.join(cgroup_root, path)
+            limit, used = _read_int(f"{base}/memory.max"), _read_int(f"{base}/memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base = os.path.join(cgroup_root, "memory", path)
+            if not os.path.isdir(base):  # the namespace's root is mounted, not the path
+                base = os.path.join(cgroup_root, "memory")
+            limit = _read_int(f"{base}/memory.limit_in_bytes")
+            used = _read_int(f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and limit < _NO_LIMIT:
+            return max(0, limit - (used or 0))
+    return None
+
+
+def available_host_bytes(
+    meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+    cgroup_root: str = "/sys/fs/cgroup",
+) -> int | None:
+    """Memory a process can still take: the kernel's MemAvailable plus free swap, capped by
+    the memory cgroup's room; None when the kernel does not say (not Linux)."""
+    info = _meminfo(meminfo)
+    if "MemAvailable" not in info:
+        return None
+    room = info["MemAvailable"] + info.get("SwapFree", 0)
+    cgroup = _cgroup_room(proc_cgroup, cgroup_root)
+    return room if cgroup is None else min(room, cgroup)
+
+
+def training_state_bytes(parameters: Iterable[Any], state_dtype: str, param_itemsize: int | None = None) -> int:
+    """Bytes this rank's weights, gradients and AdamW states (exp_avg, exp_avg_sq) will hold:
+    the local shard of each parameter (meta tensors are fine). ``param_itemsize`` overrides
+    the parameters' element size (a model cast to bf16 after it is initialised)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in parameters:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        size = param_itemsize or local.element_size()
+        state = 2 if state_dtype == "bfloat16" else size
+        total += local.numel() * (2 * size + 2 * state)
+    return total
+
+
+def check_training_state_fits(need: int, optimizer_name: str) -> None:
+    """Raise ParallelismError when ``need`` bytes (this rank's training state) summed over the
+    ranks of this machine exceed what the machine has left. Ranks of a torchrun job compare
+    one sum (a collective over the default group), so they all agree."""
+    import torch.distributed as dist
+
+    from torchtitan.distributed.parallel_dims import ParallelismError
+
+    available = available_host_bytes()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    host_need, ranks = need, 1
+    if local_ranks > 1 and dist.is_initialized():
+        mine = (socket.gethostname(), need, available)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        here = [e for e in everyone if e[0] == mine[0]]
+        host_need, ranks = sum(e[1] for e in here), len(here)
+        known = [e[2] for e in here if e[2] is not None]
+        available = min(known) if known else None
+    if available is None or host_need <= available:
+        return
+    whose = f" of the {ranks} ranks on this machine" if ranks > 1 else ""
+    raise ParallelismError(
+        f"out of host memory before the first step: the weights, gradients and {optimizer_name} "
+        f"states{whose} alone need {_size(host_need)}, and this machine has "
+        f"{_size(available)} available (free memory and swap); pick a smaller "
+        "model.flavor, or shard the model over more machines or GPUs"
+    )
+
+
+def oom_kill_count(vmstat: str = "/proc/vmstat") -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot (Linux >= 4.13)."""
+    try:
+        with open(vmstat) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def killed_by_oom_killer(count_before: int | None, vmstat: str = "/proc/vmstat") -> bool:
+    """Whether the OOM killer killed something since ``count_before`` was read."""
+    now = oom_kill_count(vmstat)
+    return count_before is not None and now is not None and now > count_before
