@@ -32,6 +32,7 @@ from torchtitan.config.custom import load_custom_module
 from torchtitan.config.errors import ConfigError, print_error
 from torchtitan.config.fields import leaf_fields
 from torchtitan.config.help import print_help
+from torchtitan.config.inert import warn_inert_flags
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.config.toml_io import (
@@ -108,8 +109,10 @@ class ConfigManager:
         base.job.config_file = config_file
         if want_help:
             print_help(cls, base, self.prog)
-        cfg = apply_ops(base, parse_flags(argv, leaf_fields(cls)))
+        ops = parse_flags(argv, leaf_fields(cls))
+        cfg = apply_ops(base, ops)
         validate(cfg)
+        warn_inert_flags(cfg, (key for _, key, _ in ops))
         self.config = cfg
         return cfg
 
@@ -144,8 +147,10 @@ class ConfigManager:
         cls = type(base)
         if want_help:
             print_help(cls, base, self.prog)
-        cfg = apply_ops(base, parse_flags(argv, leaf_fields(cls)))
+        ops = parse_flags(argv, leaf_fields(cls))
+        cfg = apply_ops(base, ops)
         validate(cfg)
+        warn_inert_flags(cfg, (key for _, key, _ in ops))
         self.config = cfg
         return cfg
 
