@@ -113,11 +113,20 @@ class WandBLogger(BaseLogger):
 
         self.wandb = wandb
         os.makedirs(log_dir, exist_ok=True)
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "torchtitan"),
-            dir=log_dir,
-            config=config,
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "torchtitan"),
+                dir=log_dir,
+                config=config,
+            )
+        except wandb.errors.Error as err:  # no API key, a bad one, W&B unreachable
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            login = ("log in with `wandb login` or set WANDB_API_KEY, or "
+                     if "key" in first.lower() else "")
+            raise ValueError(
+                f"metrics.enable_wandb: W&B did not start ({first}); {login}set "
+                f"WANDB_MODE=offline to write the run under {log_dir} and `wandb sync` it later"
+            ) from None
         logger.info(f"W&B logging to {log_dir} (mode: {os.environ.get('WANDB_MODE', 'online')})")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
