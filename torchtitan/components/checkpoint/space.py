@@ -73,7 +73,8 @@ def optimizer_state_itemsize(optimizers: Any) -> int | None:
 
 
 def warn_if_short(folder: str, estimate: int) -> None:
-    """Rank 0: warn when ``folder``'s file system has less room than one checkpoint."""
+    """Rank 0: warn when ``folder``'s file system has less room than two checkpoints (the
+    newest one stays until the next is complete)."""
     if rank() != 0:
         return
     try:
@@ -86,6 +87,12 @@ def warn_if_short(folder: str, estimate: int) -> None:
             f"Checkpoint: {folder} has {free / gib:.2f} GiB free, less than one checkpoint "
             f"(~{estimate / gib:.2f} GiB: weights + optimizer state); saves will fail with "
             "'no space left' unless space is freed (older checkpoints are never touched)"
+        )
+    elif free < 2 * estimate:
+        logger.warning(
+            f"Checkpoint: {folder} has {free / gib:.2f} GiB free, room for one checkpoint "
+            f"(~{estimate / gib:.2f} GiB) but not two: the second save will fail with 'no space "
+            "left', since a checkpoint is kept until the next one is complete"
         )
     else:
         logger.info(
