@@ -81,3 +81,34 @@ def test_the_last_step_is_logged_whatever_the_frequency(dump_folder):
     mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
     assert [s for s in range(1, 13) if mp.should_log(s)] == [1, 5, 10, 12]
     mp.close()
+
+
+def test_a_sink_that_cannot_write_is_dropped_and_training_goes_on(dump_folder, caplog,
+                                                                  monkeypatch):
+    """A full disk under the dump folder used to end the run with an OSError traceback from
+    the metrics file (at a log step, and again at close). /dev/full fails every write."""
+    import logging
+    import os
+    import shutil
+    from collections import namedtuple
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.enable_tensorboard = True
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 0))
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+        assert [type(s).__name__ for s in mp.sinks] == ["JSONLLogger"]
+        jsonl = mp.sinks[0]
+        jsonl.path = jsonl.label = "/dev/full" if os.path.exists("/dev/full") else "/proc/version"
+        for step in (1, 2):
+            mp.log(step, 8.0, 1.0, 1e-4)
+        mp.log_validation(2, 7.5)
+        mp.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("Metrics: TensorBoard cannot write (") and "it is off" in warnings[0]
+    assert warnings[1].startswith(f"Metrics: writing {jsonl.path} failed (") and warnings[1].endswith(
+        "it is off for the rest of the run (the console line goes on)")
+    assert mp.sinks == []

@@ -33,6 +33,9 @@ class _Color:
 class BaseLogger:
     """Sink for scalar metrics."""
 
+    label = "a metrics sink"
+    """What the sink writes, for people (warnings)."""
+
     def log(self, metrics: dict[str, float], step: int) -> None:  # pragma: no cover - interface
         pass
 
@@ -42,9 +45,16 @@ class BaseLogger:
 
 class TensorBoardLogger(BaseLogger):
     def __init__(self, log_dir: str) -> None:
+        import errno
+        import shutil
+
         from torch.utils.tensorboard import SummaryWriter
 
+        os.makedirs(log_dir, exist_ok=True)
+        if shutil.disk_usage(log_dir).free < 1 << 20:  # its writer thread would die noisily
+            raise OSError(errno.ENOSPC, "No space left on device", log_dir)
         self.writer = SummaryWriter(log_dir, max_queue=1000)
+        self.label = f"TensorBoard ({log_dir})"
         logger.info(f"TensorBoard logs in {log_dir}")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -86,7 +96,7 @@ class JSONLLogger(BaseLogger):
     earlier steps stay."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.path = self.label = path
         self.file = None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -102,9 +112,9 @@ class JSONLLogger(BaseLogger):
         self.file.flush()
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        file, self.file = self.file, None
+        if file is not None:
+            file.close()
 
 
 class WandBLogger(BaseLogger):
@@ -112,6 +122,7 @@ class WandBLogger(BaseLogger):
         import wandb
 
         self.wandb = wandb
+        self.label = f"W&B ({log_dir})"
         os.makedirs(log_dir, exist_ok=True)
         try:
             self.run = wandb.init(
@@ -165,7 +176,10 @@ class MetricsProcessor:
         if rank == 0:
             self.sinks.append(JSONLLogger(os.path.join(job_config.job.dump_folder, METRICS_JSONL)))
         if write and self.cfg.enable_tensorboard:
-            self.sinks.append(TensorBoardLogger(os.path.join(base, stamp, suffix)))
+            try:
+                self.sinks.append(TensorBoardLogger(os.path.join(base, stamp, suffix)))
+            except OSError as err:
+                logger.warning(f"Metrics: TensorBoard cannot write ({err}); it is off for this run")
         if write and self.cfg.enable_wandb:
             self.sinks.append(
                 WandBLogger(os.path.join(job_config.job.dump_folder, "wandb", suffix), asdict(job_config))
@@ -206,8 +220,7 @@ class MetricsProcessor:
             metrics["mfu"] = mfu
         if extra:
             metrics.update(extra)
-        for sink in self.sinks:
-            sink.log(metrics, step)
+        self._write(metrics, step)
         c = self.color
         mfu_text = "n/a (unknown device)" if mfu is None else f"{mfu:.2f}%"
         logger.info(
@@ -223,12 +236,34 @@ class MetricsProcessor:
         self.memory_monitor.reset_peak_stats()
         return metrics
 
+    def _write(self, metrics: dict[str, float], step: int) -> None:
+        """Each sink gets the metrics; one that cannot write (a full disk, a folder gone) is
+        dropped with a warning and the run goes on: a log file is not worth the run."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(metrics, step)
+            except OSError as err:
+                self._drop(sink, err)
+
+    def _drop(self, sink: BaseLogger, err: OSError) -> None:
+        self.sinks.remove(sink)
+        logger.warning(
+            f"Metrics: writing {sink.label} failed ({err}); it is off for the rest of the "
+            "run (the console line goes on)"
+        )
+        try:
+            sink.close()
+        except OSError:
+            pass
+
     def log_validation(self, step: int, loss: float) -> None:
-        for sink in self.sinks:
-            sink.log({"validation/loss": loss}, step)
+        self._write({"validation/loss": loss}, step)
         c = self.color
         logger.info(f"{c.yellow}validate step: {step:2}  {c.green}loss: {loss:7.4f}{c.reset}")
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        for sink in list(self.sinks):
+            try:
+                sink.close()
+            except OSError as err:
+                self._drop(sink, err)
