@@ -64,6 +64,25 @@ def test_traces_per_iteration_and_rank(tmp_path):
         assert any("addmm" in str(n) or "linear" in str(n) for n in names), sorted(map(str, names))[:20]
 
 
+def test_a_trace_that_was_not_written_is_not_reported_written(tmp_path, records, monkeypatch):
+    """On a full disk torch's exporter leaves an empty ``.tmp`` and raises nothing; the log
+    used to say "written to ... in 0.00 s". Now a warning, and the leftover is removed."""
+    def failed_export(self, path):
+        open(f"{path}.tmp", "w").close()
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", failed_export)
+    cfg = Profiling(enable_profiling=True, save_traces_folder="traces", profile_freq=2,
+                    profiler_warmup=0, profiler_active=1)
+    with profiling.maybe_enable_profiling(cfg, str(tmp_path), rank=0) as prof:
+        _train(3, prof=prof)
+    messages = [r.getMessage() for r in records]
+    path = tmp_path / "traces" / "iteration_2" / "rank0_trace.json"
+    assert not any(" 2 written to" in m for m in messages), messages
+    assert any(m.startswith(f"Profiler trace of step 2 could not be written to {path} (")
+               and m.endswith("free there); training goes on") for m in messages), messages
+    assert list(path.parent.iterdir()) == []
+
+
 def test_trace_steps_follow_resumed_global_step(tmp_path):
     cfg = Profiling(enable_profiling=True, profile_freq=3, profiler_warmup=1, profiler_active=1)
     with profiling.maybe_enable_profiling(cfg, str(tmp_path), global_step=4) as prof:

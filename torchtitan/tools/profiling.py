@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -117,6 +118,14 @@ def maybe_enable_profiling(
         path = os.path.join(folder, f"rank{rank}_trace.json")
         start = time.perf_counter()
         prof.export_chrome_trace(path)
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            # torch's exporter swallows a failed write (e.g. a full disk), leaving a .tmp
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}.tmp")
+            free = shutil.disk_usage(folder).free
+            logger.warning(f"Profiler trace of step {prof.step_num} could not be written to "
+                           f"{path} ({free / 2**20:.0f} MiB free there); training goes on")
+            return
         logger.info(f"Profiler trace of step {prof.step_num} written to {path} "
                     f"in {time.perf_counter() - start:.2f} s")
 
