@@ -173,9 +173,13 @@ def log_resolved_config(cfg: JobConfig, rank: int) -> None:
         try:
             save_config(cfg, path)
         except OSError as err:
+            import errno
+
+            fix = ("free space there" if err.errno == errno.ENOSPC
+                   else "give a file name inside job.dump_folder")
             raise ValueError(
                 f"job.save_config_file={cfg.job.save_config_file!r} cannot be written to {path} "
-                f"({err.strerror or type(err).__name__}): give a file name inside job.dump_folder"
+                f"({err.strerror or type(err).__name__}): {fix}"
             ) from None
         logger.info(f"Saved the resolved config to {path}")
 

@@ -140,6 +140,29 @@ def test_save_config_file_that_cannot_be_written_names_the_setting(tmp_path):
     assert (tmp_path / "dump" / "tb").is_dir()
 
 
+def test_save_config_file_on_a_full_disk_says_so_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """Before: 'give a file name inside job.dump_folder' for a full disk, and an empty
+    cfg.toml.tmp left behind."""
+    import errno
+    import pathlib
+
+    from torchtitan.build import log_resolved_config
+
+    def full_disk(self, text, *args, **kwargs):
+        open(self, "w").close()  # the file is created, its bytes do not fit
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    cfg = cfg_of(tmp_path, "--job.save_config_file", "cfg.toml")
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(ValueError) as info:
+        log_resolved_config(cfg, rank=0)
+    assert str(info.value) == (
+        f"job.save_config_file='cfg.toml' cannot be written to {tmp_path}/dump/cfg.toml "
+        "(No space left on device): free space there"
+    )
+    assert list((tmp_path / "dump").iterdir()) == []
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_world_size_below_one_names_the_variable(monkeypatch, value):
     """Before: torch's 'environment variable RANK expected, but not set' for WORLD_SIZE=0."""

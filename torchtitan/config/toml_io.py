@@ -169,8 +169,12 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(config_to_toml(cfg))
-    tmp.replace(path)
+    try:
+        tmp.write_text(config_to_toml(cfg))
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
+        raise
     return path
 
 
