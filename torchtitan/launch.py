@@ -80,8 +80,32 @@ def _world_size(opts: list[str]) -> int | None:
     return int(nproc) * int(nnodes)
 
 
-def preflight(trainer_args: list[str], world_size: int | None) -> int:
-    """Check the trainer's config; 0 when it may start, else 2 (one ``error:`` line printed)."""
+def check_local_gpus(nproc_per_node: str | None) -> None:
+    """On a CUDA machine, refuse more ranks per node than visible GPUs (each rank takes the GPU
+    of its local rank; one past the last dies with "invalid device ordinal")."""
+    from torchtitan.tools.device import device_type
+
+    if device_type != "cuda" or not (nproc_per_node or "").isdigit():
+        return
+    import torch
+
+    from torchtitan.distributed.parallel_dims import ParallelismError
+
+    count = torch.cuda.device_count()
+    if int(nproc_per_node) > count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        which = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ParallelismError(
+            f"--nproc_per_node={nproc_per_node} (NGPU) starts {nproc_per_node} ranks on this "
+            f"machine, but it has {count} visible GPU{'s' if count != 1 else ''}{which}: one "
+            "rank per GPU; lower NGPU, or add nodes"
+        )
+
+
+def preflight(trainer_args: list[str], world_size: int | None,
+              nproc_per_node: str | None = None) -> int:
+    """Check the trainer's config (and, on a CUDA machine, ``nproc_per_node`` against its
+    GPUs); 0 when it may start, else 2 (one ``error:`` line printed)."""
     from torchtitan.config.errors import ConfigError, print_error
     from torchtitan.config.manager import ConfigManager
 
@@ -98,6 +122,7 @@ def preflight(trainer_args: list[str], world_size: int | None) -> int:
 
     try:
         check_run(cfg, world_size, on_this_machine=True)
+        check_local_gpus(nproc_per_node)
     except USER_ERRORS as exc:
         print_error(exc)
         return 2
@@ -177,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(opts: list[str], entry: list[str], interrupts: ForwardedInterrupts | None) -> int:
     trainer_args = _trainer_args(entry)
     if trainer_args is not None:
-        code = preflight(trainer_args, _world_size(opts))
+        code = preflight(trainer_args, _world_size(opts),
+                         _option(opts, "nproc_per_node", "nproc-per-node") or "1")
         if code:
             return code
 

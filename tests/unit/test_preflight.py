@@ -292,3 +292,33 @@ def test_launcher_passes_shutdown_timeout_only_to_a_torchrun_that_has_it(
     assert code == 0 and len(ran) == 1 and teardown == [5]
     assert ran[0].nproc_per_node == "2" and ran[0].training_script == "some.module"
     assert getattr(ran[0], "shutdown_timeout", None) == (5 if torchrun_has_flag else None)
+
+
+@pytest.mark.parametrize("nproc, started", [("4", False), ("2", True)])
+def test_more_ranks_than_visible_gpus_is_one_line_before_torchrun(monkeypatch, capsys, tmp_path,
+                                                                  nproc, started):
+    """NGPU=4 on a machine that shows 2 GPUs: ranks 2 and 3 used to die in
+    torch.cuda.set_device ("invalid device ordinal") after the others had started."""
+    import torch
+    import torch.distributed.run as torchrun
+
+    import torchtitan.tools.device as device
+    from torchtitan.launch import main as launch_main
+
+    monkeypatch.setattr(device, "device_type", "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    ran: list = []
+    monkeypatch.setattr(torchrun, "run", ran.append)
+    code = launch_main([f"--nproc_per_node={nproc}", "--log-dir", str(tmp_path / "logs"), "--",
+                        "-m", "torchtitan.train", "--job.config_file", DEBUG,
+                        "--job.dump_folder", str(tmp_path / "dump")])
+    err = capsys.readouterr().err
+    if started:
+        assert code == 0 and len(ran) == 1, err
+    else:
+        assert code == 2 and ran == []
+        assert err == (
+            "error: --nproc_per_node=4 (NGPU) starts 4 ranks on this machine, but it has 2 "
+            "visible GPUs (CUDA_VISIBLE_DEVICES=0,1): one rank per GPU; lower NGPU, or add nodes\n"
+        )
