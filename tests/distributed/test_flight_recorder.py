@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO_ROOT as REPO
+from tests.trainer_hooks import train_step_hook
 from torchtitan.tools.flight_recorder import (
     EXIT_CODE,
     fix_pg_config,
@@ -84,20 +85,13 @@ def test_stalled_rank_ends_job_with_dumps_and_message(tmp_path):
 
 
 
-STALL_HOOK = textwrap.dedent(
+STALL_HOOK = train_step_hook(
     """
-    import sys, time
-    for _mod in {sys.modules.get("__main__"), sys.modules.get("torchtitan.train")}:
-        _cls = getattr(_mod, "Trainer", None)
-        if _cls is None or getattr(_cls, "_stall", False):
-            continue
-        def _train_step(self, data_iterator, _orig=_cls.train_step):
-            if self.step == 2 and self.rank == 1:
-                time.sleep(300)  # rank 1 stops taking part in collectives at step 2
-            return _orig(self, data_iterator)
-        _cls.train_step = _train_step
-        _cls._stall = True
-    """
+    if self.step == 2 and self.rank == 1:
+        time.sleep(300)  # rank 1 stops taking part in collectives at step 2
+    return _orig(self, data_iterator)
+    """,
+    imports="import time",
 )
 
 

@@ -14,27 +14,20 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
 from tests.conftest import REPO_ROOT as REPO
+from tests.trainer_hooks import train_step_hook
 
-STOP_HOOK = textwrap.dedent(
+STOP_HOOK = train_step_hook(
     """
-    import os, signal, sys
-    for _mod in {sys.modules.get("__main__"), sys.modules.get("torchtitan.train")}:
-        _cls = getattr(_mod, "Trainer", None)
-        if _cls is None or getattr(_cls, "_stopper", False):
-            continue
-        def _train_step(self, data_iterator, _orig=_cls.train_step):
-            if self.step == 2 and self.rank == 0:
-                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: no report, no dump
-            return _orig(self, data_iterator)
-        _cls.train_step = _train_step
-        _cls._stopper = True
-    """
+    if self.step == 2 and self.rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: no report, no dump
+    return _orig(self, data_iterator)
+    """,
+    imports="import os, signal",
 )
 
 

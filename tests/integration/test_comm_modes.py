@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_hooks import train_step_hook
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.comm_mode import COMM_MODES, comm_mode_from_env, get_comm_mode
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
@@ -22,20 +23,12 @@ from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError
 ROOT = Path(__file__).resolve().parents[2]
 
 # Prints every step's loss and grad norm at full precision (imported via custom_import).
-LOSS_PROBE = textwrap.dedent(
+LOSS_PROBE = train_step_hook(
     """
-    import sys
-    for _mod in {sys.modules.get("__main__"), sys.modules.get("torchtitan.train")}:
-        _cls = getattr(_mod, "Trainer", None)
-        if _cls is None or getattr(_cls, "_probed", False):
-            continue
-        def _train_step(self, data_iterator, _orig=_cls.train_step):
-            loss, grad_norm = _orig(self, data_iterator)
-            print(f"LOSS_PROBE step={self.step} loss={float(loss)!r} grad_norm={float(grad_norm)!r}",
-                  flush=True)
-            return loss, grad_norm
-        _cls.train_step = _train_step
-        _cls._probed = True
+    loss, grad_norm = _orig(self, data_iterator)
+    print(f"LOSS_PROBE step={self.step} loss={float(loss)!r} grad_norm={float(grad_norm)!r}",
+          flush=True)
+    return loss, grad_norm
     """
 )
 

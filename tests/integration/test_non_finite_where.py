@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import textwrap
 
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
 from tests.integration.trainer_utils import built_trainer
+from tests.trainer_hooks import train_step_hook
 from torchtitan.train import TrainingError
 
 
@@ -115,23 +115,15 @@ def test_gradients_rescaled_by_a_non_finite_norm_are_not_used_to_locate(tmp_path
             "rescaled every gradient by it, so they cannot say where") in message, message
 
 
-NAN_ON_RANK_1 = textwrap.dedent(
+NAN_ON_RANK_1 = train_step_hook(
     """
-    import sys
-    import torch
-    for _mod in {sys.modules.get("__main__"), sys.modules.get("torchtitan.train")}:
-        _cls = getattr(_mod, "Trainer", None)
-        if _cls is None or getattr(_cls, "_poisoned", False):
-            continue
-        def _train_step(self, data_iterator, _orig=_cls.train_step):
-            if self.step == 1 and self.rank == 1:  # only rank 1's shard of the weight
-                weight = self.model_parts[0].layers["1"].feed_forward.w2.weight
-                with torch.no_grad():
-                    weight.to_local()[0, 0] = float("nan")
-            return _orig(self, data_iterator)
-        _cls.train_step = _train_step
-        _cls._poisoned = True
-    """
+    if self.step == 1 and self.rank == 1:  # only rank 1's shard of the weight
+        weight = self.model_parts[0].layers["1"].feed_forward.w2.weight
+        with torch.no_grad():
+            weight.to_local()[0, 0] = float("nan")
+    return _orig(self, data_iterator)
+    """,
+    imports="import torch",
 )
 
 
