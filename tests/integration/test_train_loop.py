@@ -270,3 +270,25 @@ def test_a_resume_at_or_past_the_last_step_says_nothing_is_trained(tmp_path, cap
         assert (f"Nothing to train: the checkpoint loaded is at step 2 and training.steps={steps}; "
                 "raise --training.steps to train on") in caplog.text
         assert "Training starts" not in caplog.text
+
+
+def test_a_resume_under_another_lr_schedule_says_how_the_lr_changed(tmp_path, caplog):
+    """Extending a finished run (training.steps 4 -> 8) recomputes the decay: the LR jumps from
+    the end of the old decay back up. It used to do so in silence."""
+    import logging
+
+    flags = ["--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps",
+             "1", "--lr_scheduler.decay_ratio", "0.5"]
+    run_tiny(tmp_path, "--training.steps", "4", *flags)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        run_tiny(tmp_path / "same", "--training.steps", "4", *flags)  # a fresh run: no line
+        run_tiny(tmp_path, "--training.steps", "4", "--checkpoint.load_step", "2", *flags)
+        assert "LR schedule" not in caplog.text  # the same schedule at step 2
+        run_tiny(tmp_path, "--training.steps", "8", *flags)
+    (line,) = [r.getMessage() for r in caplog.records if "LR schedule" in r.getMessage()]
+    assert line == (
+        "Checkpoint: this config's LR schedule is not the one step-4 was trained with "
+        "(training.steps or [lr_scheduler] changed): the LR was 0 after step 4 and is 0.0008 "
+        "now; training goes on with this config's schedule"
+    )

@@ -72,6 +72,7 @@ class LRSchedulersContainer(Stateful):
             min_lr_factor=cfg.min_lr_factor,
         )
         self.schedulers = [LambdaLR(opt, self.fn) for opt in optimizers.optimizers]
+        self.lr_before_load: float | None = None
 
     def step(self) -> None:
         for sched in self.schedulers:
@@ -85,11 +86,39 @@ class LRSchedulersContainer(Stateful):
         return {"last_epoch": self.schedulers[0].last_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = self.schedulers[0].optimizer.param_groups if self.schedulers else []
+        # The LR a restored optimizer carries: the saving run's schedule at this step.
+        self.lr_before_load = float(groups[0]["lr"]) if groups else None
         for sched in self.schedulers:
             sched.last_epoch = state_dict["last_epoch"]
             sched._last_lr = [self.fn(sched.last_epoch) * g["initial_lr"] for g in sched.optimizer.param_groups]
             for group, lr in zip(sched.optimizer.param_groups, sched._last_lr):
                 group["lr"] = lr
+
+
+def resumed_lr_notes(optimizers: OptimizersContainer, lr_schedulers: LRSchedulersContainer,
+                     cfg: Any, loaded: list[str], step: int) -> list[str]:
+    """After a checkpoint restored the optimizer (at ``step``): the peak LR kept or replaced
+    (:func:`reconcile_peak_lr`, ``cfg`` is the ``[optimizer]`` section), else a schedule that
+    changed since the save (:func:`schedule_change_note`). The lines to log."""
+    note = reconcile_peak_lr(optimizers, lr_schedulers, cfg.lr, cfg.override_checkpoint_lr)
+    if note is None and "lr_scheduler" in loaded:
+        note = schedule_change_note(lr_schedulers, step)
+    return [] if note is None else [note]
+
+
+def schedule_change_note(lr_schedulers: LRSchedulersContainer, step: int) -> str | None:
+    """After a checkpoint restored the optimizer and the schedulers: the warning line when this
+    config's schedule gives another LR at the checkpoint's step than the run that saved it had
+    (``training.steps`` or ``[lr_scheduler]`` changed, e.g. a run extended), else None."""
+    before, now = lr_schedulers.lr_before_load, lr_schedulers.get_last_lr()
+    if before is None or math.isclose(before, now, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    return (
+        f"Checkpoint: this config's LR schedule is not the one step-{step} was trained with "
+        f"(training.steps or [lr_scheduler] changed): the LR was {before:.4g} after step "
+        f"{step} and is {now:.4g} now; training goes on with this config's schedule"
+    )
 
 
 def build_lr_schedulers(
