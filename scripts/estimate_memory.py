@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if ours.steps < 1:
         print(f"error: --steps must be at least 1 (got {ours.steps})", file=sys.stderr)
         return 2
+    bad = [n for n in ours.world_size if n < 1]
+    if bad:
+        print(f"error: --world-size must be at least 1 (got {bad[0]})", file=sys.stderr)
+        return 2
     code = 0
     for world_size in ours.world_size:
         try:

@@ -216,3 +216,20 @@ def test_expert_tensor_parallel_splits_the_expert_bytes_over_tp(two_moe_layers):
     experts = sum(4 * p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert whole.breakdown["Sharded Param"] - split.breakdown["Sharded Param"] == experts // 4
     assert "etp=2" in split.parallelism
+
+
+def test_script_refuses_a_world_size_below_one(capsys):
+    """Before: 'error: world size 0: RANK=0 must be in [0, WORLD_SIZE=0)'."""
+    import importlib.util
+
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory_script", REPO_ROOT / "scripts" / "estimate_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml"),
+                        "--world-size", "8", "0"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --world-size must be at least 1 (got 0)")
