@@ -174,6 +174,32 @@ def test_hf_tokenizer_round_trip(tmp_path):
     assert hf.vocab_size == tok.get_vocab_size(with_added_tokens=True)
 
 
+def test_hf_tokenizer_without_bos_or_eos_warns_that_documents_run_together(tmp_path, caplog):
+    """A tokenizer.json with no special tokens (and no tokenizer_config.json naming them) packs
+    documents back to back with nothing between them; that used to happen in silence."""
+    import logging
+
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<unk>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the oven bakes bread"], trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        hf = build_tokenizer(Model(hf_assets_path=str(tmp_path)))
+    assert (hf.bos_id, hf.eos_id) == (-1, -1)
+    assert (f"Tokenizer {tmp_path / 'tokenizer.json'} has neither a BOS nor an EOS token: packed "
+            "documents run into each other") in caplog.text
+    caplog.clear()
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<unk>"}')
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        assert build_tokenizer(Model(hf_assets_path=str(tmp_path))).eos_id == 0
+    assert "neither a BOS nor an EOS" not in caplog.text
+
+
 # --- detection and build_tokenizer -----------------------------------------------------------
 
 

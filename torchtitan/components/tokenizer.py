@@ -371,7 +371,17 @@ def build_tokenizer(model_cfg: Model) -> BaseTokenizer:
     path = _tokenizer_file(model_cfg)
     kind = detect_tokenizer_kind(path)
     if kind == "tiktoken":
-        return TikTokenTokenizer(path)
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(path)
-    return HuggingFaceTokenizer(path)
+        tokenizer: BaseTokenizer = TikTokenTokenizer(path)
+    elif kind == "sentencepiece":
+        tokenizer = SentencePieceTokenizer(path)
+    else:
+        tokenizer = HuggingFaceTokenizer(path)
+    if tokenizer.bos_id < 0 and tokenizer.eos_id < 0:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"Tokenizer {path} has neither a BOS nor an EOS token: packed documents run into "
+            "each other with nothing between them (name them in a tokenizer_config.json next "
+            "to it: bos_token / eos_token)"
+        )
+    return tokenizer
