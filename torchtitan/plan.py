@@ -10,6 +10,7 @@ the same line.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,19 +70,39 @@ class RunPlan:
 def import_custom_module(experimental: Experimental) -> None:
     """``experimental.custom_import``: the module that may register a model, a dataset or a
     converter (imported once; later calls are free)."""
-    if experimental.custom_import:
-        try:
-            importlib.import_module(experimental.custom_import)
-        except ModuleNotFoundError as err:
-            # Only the module itself (or a package on its path) missing is the setting's fault;
-            # a missing import inside an existing module keeps its own message.
-            if err.name is None or not f"{experimental.custom_import}.".startswith(f"{err.name}."):
-                raise
+    name = experimental.custom_import
+    if not name:
+        return
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and f"{name}.".startswith(f"{err.name}."):
+            # the module itself (or a package on its path) is missing: the setting's fault
             raise ImportError(
-                f"experimental.custom_import={experimental.custom_import!r} cannot be imported "
-                f"({err}): give a module on the Python path (e.g. my_pkg.register_model), or "
-                "unset it"
+                f"experimental.custom_import={name!r} cannot be imported ({err}): give a module "
+                "on the Python path (e.g. my_pkg.register_model), or unset it"
             ) from None
+        raise ImportError(_import_failure(name, err)) from err
+    except Exception as err:  # the module's own code failed: one line that says where
+        raise ImportError(_import_failure(name, err)) from err
+
+
+def _import_failure(name: str, err: Exception) -> str:
+    """The line for a custom module whose import raised ``err``: where, what, and how to see the
+    traceback."""
+    import traceback
+
+    if isinstance(err, SyntaxError) and err.filename:
+        where = f" ({os.path.basename(err.filename)}, line {err.lineno})"
+    else:
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if not f.filename.startswith("<frozen")]
+        where = f" ({os.path.basename(frames[-1].filename)}, line {frames[-1].lineno})" if frames else ""
+    text = err.msg if isinstance(err, SyntaxError) else str(err).strip()
+    text = text.splitlines()[0] if text else ""
+    what = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return (f"experimental.custom_import={name!r} failed while importing{where}: {what}; "
+            f"`python -c 'import {name}'` shows the traceback")
 
 
 def reject_planned_features(cfg: JobConfig, parallel_dims: ParallelDims) -> None:

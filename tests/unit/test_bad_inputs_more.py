@@ -30,12 +30,25 @@ def test_missing_custom_import_names_the_setting(tmp_path):
     assert "No module named 'no_such_pkg'" in message
 
 
-def test_custom_import_failing_inside_keeps_its_own_error(tmp_path, monkeypatch):
-    (tmp_path / "broken_register.py").write_text("import no_such_dependency\n")
+@pytest.mark.parametrize("source, what", [
+    ("import no_such_dependency\n", "(broken_register.py, line 1): ModuleNotFoundError: No module "
+                                     "named 'no_such_dependency'"),
+    ("x = 1\ndef f(:\n", "(broken_register.py, line 2): SyntaxError: invalid syntax"),
+    ("x = 1\nraise RuntimeError('no GPU table here')\n",
+     "(broken_register.py, line 2): RuntimeError: no GPU table here"),
+])
+def test_custom_import_failing_inside_says_where_in_one_line(tmp_path, monkeypatch, source, what):
+    """A module that fails while importing: its own error with the file and line, one line
+    (exit 2). A syntax error or an exception in it used to be a traceback, exit 1."""
+    (tmp_path / "broken_register.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="no_such_dependency"):
+    with pytest.raises(ImportError) as info:
         check_run(cfg_of(tmp_path, "--experimental.custom_import", "broken_register"), 1,
                   device_type="cpu")
+    assert str(info.value) == (
+        f"experimental.custom_import='broken_register' failed while importing {what}; "
+        "`python -c 'import broken_register'` shows the traceback"
+    )
 
 
 # --- the folders a run writes -----------------------------------------------------------------
