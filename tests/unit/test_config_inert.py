@@ -32,7 +32,6 @@ SWITCH_ON = {
     "mx.recipe_name": ["--model.converters", "mx"],
     "fault_tolerance.process_group": ["--fault_tolerance.enable", "--fault_tolerance.group_size",
                                       "2"],
-    "memory_estimation.disable_fake_mode": ["--memory_estimation.enable"],
 }
 RULES = {keys[0]: keys for keys, _, _ in INERT_RULES}
 

@@ -90,7 +90,7 @@ INERT_RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], Callable[[Any], 
      *_converts("float8")),
     (("mx.recipe_name", "mx.filter_fqns", "mx.moe_fqns_prototype"), *_converts("mx")),
     (tuple(f"fault_tolerance.{k}" for k in _FAULT_TOLERANCE), *_switch("fault_tolerance", "enable")),
-    (("memory_estimation.disable_fake_mode",), *_switch("memory_estimation", "enable")),
+    # not memory_estimation.disable_fake_mode: scripts/estimate_memory.py reads it on its own
 ]
 """(flags, whether their feature is on for a config, why not): a flag in the first group does
 something only when the second holds."""
