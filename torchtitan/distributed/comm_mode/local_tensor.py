@@ -43,17 +43,13 @@ PROCESS_BYTES = GiB
 
 
 def available_memory_bytes(device_type: str) -> int | None:
-    """Free memory of the device tensors live on (CUDA: free GPU memory; CPU: MemAvailable)."""
+    """Free memory of the device tensors live on (CUDA: free GPU memory; CPU: what the host has
+    left, :func:`~torchtitan.tools.host_memory.available_host_bytes`)."""
     if device_type == "cuda":
         return int(torch.cuda.mem_get_info()[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from torchtitan.tools.host_memory import available_host_bytes
+
+    return available_host_bytes()
 
 
 def real_rank_threads(world_size: int) -> int | None:
