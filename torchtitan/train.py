@@ -234,12 +234,12 @@ class Trainer(Stateful):
             self.ft.after_checkpoint_load()
         self.comm_mode.load_initial_weights(self.model_parts)  # COMM_MODE=local_tensor
         if "optimizer" in self.checkpointer.loaded:
-            from torchtitan.components.lr_scheduler import resumed_lr_notes
+            from torchtitan.components.lr_scheduler import resumed_lr_note
 
-            for note in resumed_lr_notes(self.optimizers, self.lr_schedulers, cfg.optimizer,
-                                         self.checkpointer.loaded, self.step):
-                if self.rank == 0:
-                    logger.warning(note)
+            note = resumed_lr_note(self.optimizers, self.lr_schedulers, cfg.optimizer,
+                                   self.checkpointer.loaded, self.step)
+            if note and self.rank == 0:
+                logger.warning(note)
         self._install_preemption_handler()
         data_iterator = iter(self.dataloader)
         if self.step >= cfg.training.steps:  # e.g. a finished job started again

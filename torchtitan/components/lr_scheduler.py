@@ -96,15 +96,15 @@ class LRSchedulersContainer(Stateful):
                 group["lr"] = lr
 
 
-def resumed_lr_notes(optimizers: OptimizersContainer, lr_schedulers: LRSchedulersContainer,
-                     cfg: Any, loaded: list[str], step: int) -> list[str]:
-    """After a checkpoint restored the optimizer (at ``step``): the peak LR kept or replaced
-    (:func:`reconcile_peak_lr`, ``cfg`` is the ``[optimizer]`` section), else a schedule that
-    changed since the save (:func:`schedule_change_note`). The lines to log."""
+def resumed_lr_note(optimizers: OptimizersContainer, lr_schedulers: LRSchedulersContainer,
+                    cfg: Any, loaded: list[str], step: int) -> str | None:
+    """After a checkpoint restored the optimizer (at ``step``): the line to log about the peak
+    LR kept or replaced (:func:`reconcile_peak_lr`, ``cfg`` is the ``[optimizer]`` section),
+    else about a schedule that changed since the save (:func:`schedule_change_note`)."""
     note = reconcile_peak_lr(optimizers, lr_schedulers, cfg.lr, cfg.override_checkpoint_lr)
     if note is None and "lr_scheduler" in loaded:
         note = schedule_change_note(lr_schedulers, step)
-    return [] if note is None else [note]
+    return note
 
 
 def schedule_change_note(lr_schedulers: LRSchedulersContainer, step: int) -> str | None:

@@ -9,6 +9,7 @@ A run that starts at step 1 moves an earlier run's file to ``metrics.jsonl.1`` (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -251,10 +252,8 @@ class MetricsProcessor:
             f"Metrics: writing {sink.label} failed ({err}); it is off for the rest of the "
             "run (the console line goes on)"
         )
-        try:
+        with contextlib.suppress(OSError):  # closing flushes, which may fail the same way
             sink.close()
-        except OSError:
-            pass
 
     def log_validation(self, step: int, loss: float) -> None:
         self._write({"validation/loss": loss}, step)
