@@ -8,7 +8,7 @@ verified first as the trainer verifies a checkpoint before loading it (the files
 CRC32s its ``.committed`` lists): a damaged one is refused, nothing written. ``--model`` is
 found from the checkpoint's weight names (the registered family whose key map holds them all
 and fits them best); one that disagrees is refused naming the right one.
-``OUT_DIR`` receives the same files as ``checkpoint.last_save_in_hf``: ``model.safetensors`` (or
+``OUT_DIR`` (a new or empty folder: an earlier export's files would mix with these) receives the same files as ``checkpoint.last_save_in_hf``: ``model.safetensors`` (or
 shards plus an index), ``config.json`` (architecture, ``dtype``, the flavor's context length as
 ``max_position_embeddings``, BOS/EOS ids), ``generation_config.json`` (stops at EOS and, for
 Llama 3, ``<|eot_id|>``) and the tokenizer files, ready for ``AutoModelForCausalLM`` and
@@ -170,6 +170,7 @@ def convert_dcp_to_hf(
     """Write ``out_dir`` (see the module docstring) from DCP ``ckpt_dir``; returns file names."""
     if not os.path.exists(os.path.join(ckpt_dir, fs.DCP_METADATA)):
         raise FileNotFoundError(f"{ckpt_dir} has no {fs.DCP_METADATA}: not a DCP checkpoint folder")
+    fs.check_output_folder(out_dir, "OUT_DIR")
     if not hf.verify_for_export(ckpt_dir):
         _warn(f"{ckpt_dir} records no checksums in a {fs.COMMIT_MARKER}: its files cannot be verified")
     model = pick_model(ckpt_dir, model)

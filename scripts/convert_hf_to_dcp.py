@@ -3,7 +3,8 @@
     python scripts/convert_hf_to_dcp.py HF_DIR OUT_DIR [--model NAME --flavor FLAVOR]
 
 ``HF_DIR`` holds ``config.json`` and ``*.safetensors`` (a ``save_pretrained`` folder or a hub
-snapshot); its ``model_type`` picks the torchtitan model (``--model`` overrides). ``OUT_DIR`` becomes a committed model-only DCP checkpoint; start training from it
+snapshot); its ``model_type`` picks the torchtitan model (``--model`` overrides). ``OUT_DIR`` (new, empty, or an earlier checkpoint, which is moved aside to
+``OUT_DIR.superseded-<time>``) becomes a committed model-only DCP checkpoint; start training from it
 with ``--checkpoint.enable --checkpoint.initial_load_path OUT_DIR``. Runs in one process, no
 GPU and no process group needed; memory is about the size of the weights.
 
@@ -28,7 +29,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from torchtitan.components.checkpoint import CheckpointError, hf, hf_check, load, save  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointError, fs, hf, hf_check, load, save  # noqa: E402
 from torchtitan.models import get_model_spec, hf_lookup  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,6 +95,7 @@ def convert_hf_to_dcp(
     """Convert ``hf_dir`` into a DCP checkpoint at ``out_dir`` (after the checks of the module
     docstring; nothing is written when one fails); returns the converted weights."""
     config_path = os.path.join(hf_dir, hf_check.CONFIG)
+    fs.check_output_folder(out_dir, "OUT_DIR", checkpoint_ok=True)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: HF_DIR must hold config.json")
     config = hf_check.read_config(hf_dir) or {}
@@ -117,7 +119,9 @@ def convert_hf_to_dcp(
         state = {k: v.to(_DTYPES[dtype]) for k, v in state.items()}
     info = {"step": 0, "model_only": True, "states": [], "converted_from": os.path.abspath(hf_dir)}
     info.update(hf.model_info(adapter))
-    save.save_dcp_single_process(state, out_dir, info)
+    aside = save.save_dcp_single_process(state, out_dir, info)
+    if aside is not None:
+        _warn(f"the checkpoint that was at {out_dir} is now {aside}")
     return state
 
 

@@ -99,7 +99,9 @@ def _run(name: str, env_over: dict[str, str], cmd: list[str], workdir: Path) -> 
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"error: run {name} failed with exit code {proc.returncode}")
+        print(f"error: run {name} failed with exit code {proc.returncode}", file=sys.stderr)
+        # 2 is the trainer's "bad input" (a flag or file of this comparison): pass it on
+        raise SystemExit(2 if proc.returncode == 2 else 1)
 
 
 def _base_cmd(args: argparse.Namespace, workdir: Path, dump: Path) -> list[str]:
@@ -149,8 +151,23 @@ def run_side(
         )
     values = read_metrics(metrics, args.metric)
     if not values:
-        raise SystemExit(f"error: {metrics} of run {name} has no {args.metric!r} records")
+        print(f"error: --metric {args.metric}: {metrics} of run {name} has no such records; "
+              f"its fields: {', '.join(metric_fields(metrics)) or 'none'}", file=sys.stderr)
+        raise SystemExit(2)
     return values
+
+
+def metric_fields(path: Path) -> list[str]:
+    """The numeric fields of a ``metrics.jsonl`` (what ``--metric`` can name)."""
+    fields: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            fields.update(k for k, v in record.items() if k != "step" and isinstance(v, (int, float)))
+    return sorted(fields)
 
 
 def compare(a: dict[int, float], b: dict[int, float], rtol: float, atol: float) -> tuple[list, bool]:
@@ -164,6 +181,26 @@ def compare(a: dict[int, float], b: dict[int, float], rtol: float, atol: float) 
         ok &= within
         rows.append((step, la, lb, diff, within))
     return rows, ok
+
+
+def argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the script's own arguments (None when nothing), checked before any run."""
+    if args.steps < 1:
+        return f"--steps must be at least 1, got {args.steps}"
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            return f"--{name} must be a finite number >= 0, got {value}"
+    if not (ROOT / args.config).is_file():  # the runs start in the repository root
+        return f"--config {args.config} does not exist (relative paths start at {ROOT})"
+    if args.b_rev is not None:
+        found = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{args.b_rev}^{{commit}}"],
+            cwd=ROOT, capture_output=True, text=True,
+        )
+        if found.returncode != 0:
+            return f"--b-rev {args.b_rev} is not a commit of the repository at {ROOT}"
+    return None
 
 
 def checkout_rev(rev: str) -> Path:
@@ -192,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-folder", default="./outputs/loss_compare")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     args = p.parse_args(argv)
+    problem = argument_error(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     seed_ckpt = make_seed_checkpoint(args) if args.seed_checkpoint else None
     losses_a = run_side("a", args.a, args, ROOT, seed_ckpt)

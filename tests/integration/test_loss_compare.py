@@ -75,6 +75,53 @@ def help_examples() -> list[list[str]]:
     return commands
 
 
+@pytest.mark.subprocess_ok  # git rev-parse only
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--rtol", "-1"], "--rtol must be a finite number >= 0, got -1.0"),
+        (["--atol", "nan"], "--atol must be a finite number >= 0, got nan"),
+        (["--config", "no/such.toml"], "--config no/such.toml does not exist"),
+        (["--b-rev", "no-such-revision"], "--b-rev no-such-revision is not a commit"),
+    ],
+)
+def test_bad_arguments_are_one_line_before_any_run(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(loss_compare, "_run", lambda *a: pytest.fail("a run started"))
+    assert loss_compare.main([*argv, "--dump-folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and "\n" not in err
+
+
+def test_a_run_refused_by_the_trainer_exits_2_and_an_unknown_metric_names_the_fields(
+    tmp_path, capsys, monkeypatch
+):
+    class Proc:
+        returncode, stdout, stderr = 2, "", "error: unknown flag --bogus\n"
+
+    monkeypatch.setattr(loss_compare.subprocess, "run", lambda *a, **k: Proc())
+    with pytest.raises(SystemExit) as stop:
+        loss_compare._run("a", {}, ["true"], tmp_path)
+    assert stop.value.code == 2 and "run a failed with exit code 2" in capsys.readouterr().err
+    Proc.returncode = 1  # a crash stays 1
+    with pytest.raises(SystemExit) as stop:
+        loss_compare._run("a", {}, ["true"], tmp_path)
+    assert stop.value.code == 1
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1, "loss": 8.2, "grad_norm": 0.5}\n')
+    monkeypatch.setattr(loss_compare, "_run", lambda *a: None)
+    monkeypatch.setattr(loss_compare.shutil, "rmtree", lambda *a, **k: None)
+    args = loss_compare.argparse.Namespace(
+        flags="", steps=1, deterministic=False, dump_folder=str(tmp_path), config="x.toml",
+        metric="bogus",
+    )
+    with pytest.raises(SystemExit) as stop:
+        loss_compare.run_side("a", "", args, tmp_path, None)
+    assert stop.value.code == 2
+    assert "--metric bogus:" in capsys.readouterr().err.splitlines()[-1]
+    assert loss_compare.metric_fields(tmp_path / "a" / "metrics.jsonl") == ["grad_norm", "loss"]
+
+
 def test_help_shows_the_examples():
     examples = help_examples()
     assert len(examples) == 3 and all(c[:2] == ["python", "scripts/loss_compare.py"] for c in examples)

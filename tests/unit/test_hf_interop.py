@@ -148,6 +148,40 @@ def test_ours_to_hf_export_matches(tmp_path, capsys):
     assert "vocab size is 256, flavor 8B has 128256" in capsys.readouterr().err
 
 
+def test_converters_never_mix_into_a_folder_that_holds_files(tmp_path, capsys):
+    """OUT_DIR must be new or empty (an earlier export's stale shards would load with the new
+    ones); HF -> DCP may replace a checkpoint, which is moved aside, never lost."""
+    _, folder = _hf_model(tmp_path)
+    to_dcp, to_hf = load_script("convert_hf_to_dcp"), load_script("convert_dcp_to_hf")
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "empty").mkdir()
+    assert to_dcp.main([str(folder), str(tmp_path / "empty")]) == 0
+    assert fs.verify_checkpoint(str(tmp_path / "empty"))[0] == ""
+    assert to_dcp.main([str(folder), str(ckpt)]) == 0
+    before = sorted(os.listdir(ckpt))
+    capsys.readouterr()
+    assert to_dcp.main([str(folder), str(ckpt)]) == 0  # again: the first one is set aside
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.superseded-")]
+    assert len(aside) == 1 and sorted(os.listdir(aside[0])) == before
+    assert f"is now {aside[0]}" in capsys.readouterr().err
+    for out, argv, script in [
+        (folder, [str(folder), str(folder)], to_dcp),  # an HF folder is no checkpoint
+        (ckpt, [str(ckpt), str(ckpt)], to_hf),  # the checkpoint itself
+        (folder, [str(ckpt), str(folder)], to_hf),  # an earlier export
+    ]:
+        held = sorted(os.listdir(out))
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: OUT_DIR {out} already holds files (") and "\n" not in err
+        assert sorted(os.listdir(out)) == held
+    (tmp_path / "a_file").write_text("x")
+    assert to_hf.main([str(ckpt), str(tmp_path / "a_file")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert to_dcp.main([str(folder), "/proc/no_such_dir"]) == 2  # DCP's wrapped error: one line
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot write /proc/no_such_dir.tmp: ") and "\n" not in err
+
+
 def test_checkpoint_manager_hf_initial_load_and_last_save(tmp_path):
     hf, folder = _hf_model(tmp_path)
     args = model_args_from_hf_config(json.loads((folder / "config.json").read_text()))

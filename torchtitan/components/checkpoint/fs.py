@@ -210,6 +210,25 @@ def superseded_name(final_path: str, tag: str = SUPERSEDED) -> str:
     return name
 
 
+def check_output_folder(path: str, flag: str, checkpoint_ok: bool = False) -> None:
+    """Raise ValueError unless ``path`` (a script's ``flag``, e.g. OUT_DIR) is new or an empty
+    folder: files already there would mix with the new ones (a stale shard or index beside a new
+    export is loaded as part of it). With ``checkpoint_ok`` a DCP checkpoint folder may be
+    there (it is moved aside when the new one is committed, as a re-saved step is)."""
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a folder")
+    entries = sorted(os.listdir(path))
+    if not entries or (checkpoint_ok and DCP_METADATA in entries):
+        return
+    shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+    raise ValueError(
+        f"{flag} {path} already holds files ({shown}), which would mix with the ones written "
+        "now; give a new or empty folder"
+    )
+
+
 def _check_listed(tmp_path: str, files: dict[str, int]) -> None:
     """Raise OSError unless DCP's ``.metadata`` and every file the marker lists are in
     ``tmp_path`` with their sizes: never rename a folder whose marker names missing files (e.g.

@@ -34,7 +34,12 @@ from torchtitan.components.checkpoint.common import (
     world_size,
 )
 from torchtitan.components.checkpoint.hooks import SaveHooks
-from torchtitan.components.checkpoint.integrity import describe_save_failure, is_fatal_interrupt
+from torchtitan.components.checkpoint.integrity import (
+    describe_os_error,
+    describe_save_failure,
+    is_fatal_interrupt,
+    root_os_error,
+)
 from torchtitan.tools.interrupts import uninterruptible
 from torchtitan.tools.logging import logger
 
@@ -314,11 +319,24 @@ def _all_ranks(flag: bool) -> bool:
     return bool(t.item())
 
 
-def save_dcp_single_process(state_dict: dict[str, Any], path: str, info: dict[str, Any]) -> None:
-    """Write ``state_dict`` as a committed DCP checkpoint at ``path`` from one process."""
-    tmp = path.rstrip("/") + fs.TMP_SUFFIX
+def save_dcp_single_process(
+    state_dict: dict[str, Any], path: str, info: dict[str, Any]
+) -> str | None:
+    """Write ``state_dict`` as a committed DCP checkpoint at ``path`` from one process; a
+    checkpoint already there is moved aside (returns its new name), an empty folder replaced."""
+    path = path.rstrip("/") or path
+    tmp = path + fs.TMP_SUFFIX
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
-    with quiet_dcp():
-        dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
-    fs.commit_checkpoint(tmp, path, info)
+    try:
+        with quiet_dcp():
+            dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = root_os_error(err)
+        if cause is None or is_fatal_interrupt(err):
+            raise
+        raise OSError(f"cannot write {tmp}: {describe_os_error(cause)}") from None
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)
+    return fs.commit_checkpoint(tmp, path, info)
