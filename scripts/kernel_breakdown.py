@@ -80,7 +80,13 @@ class Breakdown:
 def load_trace(path: Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        return json.load(f)
+        try:
+            trace = json.load(f)
+        except ValueError as err:
+            raise ValueError(f"{path} is not a torch.profiler chrome trace (JSON): {err}") from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"{path} is not a torch.profiler chrome trace (a JSON object)")
+    return trace
 
 
 def find_trace(path: Path) -> Path:

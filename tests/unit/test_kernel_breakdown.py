@@ -146,3 +146,12 @@ def test_a_trace_without_gpu_kernels_is_one_error_line(kb, tmp_path, capsys):
     assert err.startswith("error: cpu: ") and "holds no GPU kernels" in err and "\n" not in err
     assert kb.main([f"none={tmp_path / 'missing'}"]) == 2
     assert "no rank0_trace.json under" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]"])
+def test_a_file_that_is_no_trace_is_one_error_line(kb, tmp_path, capsys, text):
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    assert kb.main([f"ours={path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: ours: {path} is not a torch.profiler chrome trace") and "\n" not in err
