@@ -32,6 +32,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.comm_mode import CommMode, comm_mode_from_env
 from torchtitan.preflight import USER_ERRORS
+from torchtitan.resume import resume
 from torchtitan.step import compute_gradients, optimizer_step
 from torchtitan.tools import flight_recorder, known_warnings
 from torchtitan.tools.device import device_type
@@ -227,28 +228,9 @@ class Trainer(Stateful):
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed_checkpoint()
             return
-        self.checkpointer.load(step=cfg.checkpoint.load_step)
-        if self.step < cfg.training.steps:  # it trains on: a rewind's newer steps go aside now
-            self.checkpointer.set_aside_abandoned()
-        if self.ft is not None:
-            self.ft.after_checkpoint_load()
-        self.comm_mode.load_initial_weights(self.model_parts)  # COMM_MODE=local_tensor
-        if "optimizer" in self.checkpointer.loaded:
-            from torchtitan.components.lr_scheduler import resumed_lr_note
-
-            note = resumed_lr_note(self.optimizers, self.lr_schedulers, cfg.optimizer,
-                                   self.checkpointer.loaded, self.step)
-            if note and self.rank == 0:
-                logger.warning(note)
+        resume(self)
         self._install_preemption_handler()
         data_iterator = iter(self.dataloader)
-        if self.step >= cfg.training.steps:  # e.g. a finished job started again
-            logger.warning(
-                f"Nothing to train: the checkpoint loaded is at step {self.step} and "
-                f"training.steps={cfg.training.steps}; raise --training.steps to train on"
-            )
-        else:
-            logger.info(f"Training starts at step {self.step + 1}")
         dump_folder = cfg.job.dump_folder
         with (
             maybe_enable_profiling(
