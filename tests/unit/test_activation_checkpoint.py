@@ -262,3 +262,18 @@ def test_recompute_runs_the_graphs_its_forward_ran():
     y.sum().backward()  # recomputes the last block first
     recompute_graphs = [graphs_run[i : i + 2] for i in range(0, len(graphs_run), 2)][::-1]
     assert recompute_graphs == forward_graphs
+
+
+def test_selective_every_n_beyond_the_blocks_warns_that_nothing_is_checkpointed(caplog):
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        model = apply_ac(_model(4), _cfg("selective", "5"))
+    assert not any(isinstance(b, CheckpointWrapper) for b in model.layers.values())
+    assert [m for m in caplog.messages if "selective_ac_option=5" in m] == [
+        "activation_checkpoint.selective_ac_option=5 checkpoints the blocks whose layer id + 1 is "
+        "a multiple of 5, and none of the 4 blocks here (layers 0..3) is one: no activation "
+        "checkpointing; choose a smaller number, 'op', or --activation_checkpoint.mode none"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        model = apply_ac(_model(4), _cfg("selective", "4"))  # layer 3 is checkpointed
+    assert isinstance(model.layers["3"], CheckpointWrapper) and not caplog.messages

@@ -324,6 +324,14 @@ def apply_ac(
         wrapped += 1
     if wrapped:
         recompute_with_forward_graphs()
+    elif every_n is not None and len(layers):
+        ids = list(layers.keys())
+        logger.warning(
+            f"activation_checkpoint.selective_ac_option={every_n} checkpoints the blocks whose "
+            f"layer id + 1 is a multiple of {every_n}, and none of the {len(ids)} blocks here "
+            f"(layers {ids[0]}..{ids[-1]}) is one: no activation checkpointing; choose a smaller "
+            "number, 'op', or --activation_checkpoint.mode none"
+        )
     detail = ac_cfg.mode if ac_cfg.mode == "full" else f"selective {ac_cfg.selective_ac_option}"
     logger.info(f"Applied {detail} activation checkpointing to {wrapped} of {len(layers)} blocks")
     return model
