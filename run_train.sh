@@ -36,6 +36,9 @@ Environment variables:
   RANK         with COMM_MODE: the global rank the single process plays (default 0).
   OMP_NUM_THREADS
                CPU threads per rank. Default on CPU with NGPU>1: max(1, nproc/NGPU).
+  TORCHTITAN_COLOR
+               1 or 0: colour the step line or not (default: 1 when this console is a
+               terminal; a log file or a pipe gets plain text). NO_COLOR turns colours off.
   PYTHON       Python interpreter (default: python, else python3).
 
 Trainer flags override the config file, e.g. --training.steps 50 --profiling.enable_memory_snapshot

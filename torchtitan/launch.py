@@ -34,6 +34,7 @@ from typing import Any
 from torchtitan.tools.error_file import TRAINER_MARK, host_out_of_memory_message, record_error
 from torchtitan.tools.host_memory import killed_by_oom_killer, oom_kill_count
 from torchtitan.tools.interrupts import INTERRUPTED, ForwardedInterrupts, end_as_interrupted
+from torchtitan.tools.logging import COLOR_ENV
 
 __all__ = ["TRAINER_MARK", "main", "record_error"]
 
@@ -210,6 +211,8 @@ def _launch(opts: list[str], entry: list[str], interrupts: ForwardedInterrupts |
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # The ranks print through pipes: tell them whether this console is a terminal (colours).
+    os.environ.setdefault(COLOR_ENV, "1" if sys.stdout.isatty() else "0")
     if _option(opts, "log_dir", "log-dir") is None:
         log_dir = tempfile.mkdtemp(prefix="torchelastic_")
         opts = [*opts, "--log-dir", log_dir]

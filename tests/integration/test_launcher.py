@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import socket
 import subprocess
@@ -48,6 +49,8 @@ _CLEAN_KEYS = {
     "PYTHONFAULTHANDLER",
     "NCCL_DEBUG",
     "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCHTITAN_COLOR",
+    "NO_COLOR",
 }
 
 
@@ -145,6 +148,26 @@ def test_torchrun_two_ranks_get_config_file_and_extra_flags(tmp_path):
         assert rec["env"]["TORCHELASTIC_RUN_ID"] is not None  # launched by torchrun
         # CPU, 8 cores, 2 ranks: 4 threads each (torchrun alone would have set 1).
         assert rec["env"]["OMP_NUM_THREADS"] == "4"
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_ranks_learn_whether_the_launchers_console_is_a_terminal(tmp_path, terminal):
+    """The ranks print through torchrun's pipes, so the launcher tells them (TORCHTITAN_COLOR)
+    whether to colour their step lines: a terminal yes, a log file or a pipe no."""
+    env = _env(tmp_path, TRAIN_FILE=PROBE)
+    if terminal:
+        main, sub = pty.openpty()
+        try:
+            proc = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, stdout=sub,
+                                  stderr=subprocess.PIPE, timeout=90)
+        finally:
+            os.close(sub)
+            os.close(main)
+    else:
+        proc = subprocess.run(["./run_train.sh"], cwd=REPO, env=env, capture_output=True,
+                              timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _ranks(tmp_path)[0]["env"]["TORCHTITAN_COLOR"] == ("1" if terminal else "0")
 
 
 def test_module_and_config_pass_through_with_one_cpu_rank(tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+
+import pytest
 
 from torchtitan.components.metrics import METRICS_JSONL, MetricsProcessor
 from torchtitan.config.job_config import JobConfig
@@ -112,3 +115,32 @@ def test_a_sink_that_cannot_write_is_dropped_and_training_goes_on(dump_folder, c
     assert warnings[1].startswith(f"Metrics: writing {jsonl.path} failed (") and warnings[1].endswith(
         "it is off for the rest of the run (the console line goes on)")
     assert mp.sinks == []
+
+
+@pytest.mark.parametrize(
+    "env, tty, disabled, colored",
+    [
+        ({}, True, False, True),  # a terminal
+        ({}, False, False, False),  # a log file or a pipe: plain text
+        ({"TORCHTITAN_COLOR": "1"}, False, False, True),  # the launcher's console is a terminal
+        ({"TORCHTITAN_COLOR": "0"}, True, False, False),
+        ({"NO_COLOR": "1", "TORCHTITAN_COLOR": "1"}, True, False, False),
+        ({}, True, True, False),  # metrics.disable_color_printing
+    ],
+)
+def test_the_step_line_is_colored_only_for_a_terminal(dump_folder, caplog, monkeypatch, env, tty,
+                                                      disabled, colored):
+    for name in ("NO_COLOR", "TORCHTITAN_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.disable_color_printing = disabled
+    mp = MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+    with caplog.at_level("INFO", logger="torchtitan"):
+        mp.log(1, 8.0, 1.0, 1e-4)
+    mp.close()
+    line = next(m for m in caplog.messages if "loss:" in m)
+    assert ("\x1b[" in line) == colored

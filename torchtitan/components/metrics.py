@@ -20,7 +20,7 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.device import MemoryMonitor, get_peak_flops
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import console_wants_color, logger
 
 
 class _Color:
@@ -160,7 +160,7 @@ class MetricsProcessor:
         check_output_folders(job_config)  # not after the first step's work
         self.cfg = job_config.metrics
         self.last_step = job_config.training.steps
-        self.color = _Color(not self.cfg.disable_color_printing)
+        self.color = _Color(not self.cfg.disable_color_printing and console_wants_color())
         self.memory_monitor = MemoryMonitor()
         self.peak_flops = get_peak_flops(compute_dtype)
         self.num_flops_per_token = 0.0

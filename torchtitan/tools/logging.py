@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 logger = logging.getLogger("torchtitan")
@@ -44,3 +45,20 @@ def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - de
     if message not in _seen:
         _seen.add(message)
         logger.warning(message)
+
+
+COLOR_ENV = "TORCHTITAN_COLOR"
+"""``1`` / ``0``: colour the step line or not. The launcher sets it from its own console, since
+torchrun's ranks write into pipes; unset, a rank colours when its stdout is a terminal."""
+
+
+def console_wants_color() -> bool:
+    """Whether the step line may carry ANSI colours: never with ``NO_COLOR`` set (the common
+    convention), else ``TORCHTITAN_COLOR`` when set, else whether stdout is a terminal (a log
+    file or a pipe gets plain text)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    forced = os.environ.get(COLOR_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return sys.stdout.isatty()

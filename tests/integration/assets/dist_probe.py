@@ -29,6 +29,7 @@ ENV_KEYS = (
     "LOGLEVEL",
     "PYTHONFAULTHANDLER",
     "NCCL_DEBUG",
+    "TORCHTITAN_COLOR",
 )
 
 
