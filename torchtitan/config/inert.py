@@ -48,6 +48,13 @@ def _ac_mode(mode: str) -> tuple[Callable[[Any], bool], Callable[[Any], str]]:
                         f"not {mode!r}")
 
 
+def _classic_ddp_compiled(cfg: Any) -> bool:
+    p = cfg.parallelism
+    others = (p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree)
+    return (cfg.compile.enable and p.data_parallel_replicate_degree > 1
+            and p.data_parallel_shard_degree in (1, -1) and all(d == 1 for d in others))
+
+
 _PIPELINE = ("module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
              "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
              "pipeline_parallel_split_points", "pipeline_parallel_schedule",
@@ -82,6 +89,11 @@ INERT_RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], Callable[[Any], 
     (tuple(f"parallelism.{k}" for k in _PIPELINE), *_degree("pipeline_parallel_degree")),
     (("parallelism.context_parallel_rotate_method", "parallelism.context_parallel_load_balancer"),
      *_degree("context_parallel_degree")),
+    (("parallelism.enable_async_tensor_parallel", "parallelism.disable_loss_parallel"),
+     *_degree("tensor_parallel_degree")),
+    (("parallelism.enable_compiled_autograd",), _classic_ddp_compiled,
+     lambda cfg: "it only picks how compile treats classic DDP (compile.enable with "
+                 "data_parallel_replicate_degree > 1 and no FSDP, TP, PP or CP)"),
     (("activation_checkpoint.selective_ac_option",), *_ac_mode("selective")),
     (("activation_checkpoint.memory_budget", "activation_checkpoint.visualize_memory_budget_pareto"),
      *_ac_mode("memory_budget")),
