@@ -186,6 +186,21 @@ def test_chunked_where_it_cannot_apply(change, expected):
     assert choose_loss_path("auto", 64, "cuda", model, family_loss, replicated) is False
 
 
+def test_a_chunk_size_the_logits_path_ignores_warns(caplog):
+    model, _ = _tiny_decoder()
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        assert choose_loss_path("auto", 100, "cpu", model, False, False) is False
+        assert choose_loss_path("logits", 100, "cuda", model, False, False) is False
+        assert choose_loss_path("chunked", 100, "cpu", model, False, False) is True
+        assert choose_loss_path("auto", 8192, "cpu", model, False, False) is False  # the default
+    assert caplog.messages == [
+        "training.loss_chunk_size=100 has no effect: the loss takes the full logits "
+        "(training.loss_implementation=auto, which is chunked on CUDA only)",
+        "training.loss_chunk_size=100 has no effect: the loss takes the full logits "
+        "(training.loss_implementation=logits)",
+    ]
+
+
 def test_chunk_size_below_one_is_refused():
     with pytest.raises(ValueError, match=r"training.loss_chunk_size=0 must be >= 1"):
         check_loss_settings(Training(loss_chunk_size=0))

@@ -34,7 +34,7 @@ def test_dry_runs_switch_compile_async_tp_and_profiling_off(mode, caplog):
     async TP and the profilers off in one info line (a real run refuses async TP without
     CUDA: check_async_tp); the LR warm-up is fitted to the dry run's one step silently."""
     cfg = cfg_of("--compile.enable", "--parallelism.enable_async_tensor_parallel",
-                 "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
+                 "--parallelism.tensor_parallel_degree", "2", "--profiling.enable_profiling", "--profiling.enable_memory_snapshot",
                  "--training.steps", "1")
     with caplog.at_level(logging.INFO, logger="torchtitan"):
         COMM_MODES[mode](4).prepare(cfg, dims(tp=2))

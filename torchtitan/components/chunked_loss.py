@@ -208,7 +208,26 @@ def choose_loss_path(
     needs the decoder's plain output head (not converted, e.g. by float8), the shared
     cross-entropy (``family_loss``: the family declares its own) and, under tensor parallel,
     loss parallel (``tp_logits_replicated``: it is off). ``chunked`` where it cannot apply is
-    a one-line ValueError; ``auto`` then computes the logits and says why."""
+    a one-line ValueError; ``auto`` then computes the logits and says why. A chunk size set
+    for a run that takes the logits path warns that it does nothing."""
+    from torchtitan.config.job_config import Training
+    from torchtitan.tools.logging import logger
+
+    fused = _choose_loss_path(implementation, chunk_size, device_type, model, family_loss,
+                              tp_logits_replicated)
+    if not fused and chunk_size != Training().loss_chunk_size:
+        logger.warning(
+            f"training.loss_chunk_size={chunk_size} has no effect: the loss takes the full "
+            f"logits (training.loss_implementation={implementation}"
+            + (", which is chunked on CUDA only)" if implementation == "auto" else ")")
+        )
+    return fused
+
+
+def _choose_loss_path(
+    implementation: str, chunk_size: int, device_type: str, model: torch.nn.Module,
+    family_loss: bool, tp_logits_replicated: bool,
+) -> bool:
     from torchtitan.tools.logging import logger
 
     if implementation == "logits":
