@@ -420,10 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         code = report_error(err, 1)
     except Exception as err:
-        if is_out_of_memory(err):
+        if is_out_of_memory(err):  # the config asks for more than the device has: exit 2
             args = sys.argv[1:] if argv is None else argv
             code = report_error(
-                out_of_memory_message(err, args, dist_utils.world_size_from_env()), 1)
+                out_of_memory_message(err, args, dist_utils.world_size_from_env()), 2)
         elif is_peer_failure(err):
             line = " ".join(str(err).split())[:300]
             logger.warning(f"stopping: a collective failed ({line}); another rank stopped first")

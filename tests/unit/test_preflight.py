@@ -218,7 +218,7 @@ def test_context_parallel_rules_are_the_builds():
                   "memory: you tried to allocate 6442450944 bytes. Error code 12"),
      "cuda"],
 )
-def test_out_of_memory_is_one_line_and_exit_1(monkeypatch, caplog, tmp_path, raised):
+def test_out_of_memory_is_one_line_and_exit_2(monkeypatch, caplog, tmp_path, raised):
     import torch
 
     import torchtitan.train as train
@@ -231,14 +231,14 @@ def test_out_of_memory_is_one_line_and_exit_1(monkeypatch, caplog, tmp_path, rai
 
     monkeypatch.setattr(train, "Trainer", trainer)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
-    assert train.main(["--job.config_file", DEBUG]) == 1
+    assert train.main(["--job.config_file", DEBUG]) == 2  # a config too big: bad input
     errors = [m for m in caplog.messages if m.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: out of memory (")
     assert "lower training.local_batch_size" in errors[0]
     # the command that predicts this config's peak, with the run's own flags and ranks
     assert errors[0].endswith(f"`python scripts/estimate_memory.py --world-size 1 --job.config_file "
                               f"{DEBUG}` shows this config's peak per rank by part")
-    assert json.loads((tmp_path / "error.json").read_text())[TRAINER_MARK]["exitcode"] == 1
+    assert json.loads((tmp_path / "error.json").read_text())[TRAINER_MARK]["exitcode"] == 2
 
 
 @pytest.mark.parametrize(
