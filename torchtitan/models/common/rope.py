@@ -123,25 +123,41 @@ def precompute_freqs_cis(
     return torch.polar(torch.full_like(angles, magnitude), angles)
 
 
-def apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``xq``/``xk`` (``[B, S, H, head_dim]``) by the first ``S`` rows of ``freqs_cis``.
-
-    The rotation is computed in float32 and the results are cast back to the inputs' dtypes.
-    """
-    seqlen = xq.shape[1]
+def _cos_sin(freqs_cis: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real and imaginary parts (magnitude x cos, magnitude x sin) of the first ``seqlen``
+    rows of the table, as float32 ``[1, seqlen, 1, head_dim/2]`` views. ``freqs_cis`` is the
+    complex table ``[>=seqlen, head_dim/2]`` or its real view ``[>=seqlen, head_dim/2, 2]``
+    (what the decoder passes its blocks). The rotation is real arithmetic: a compiled block
+    given the real view holds no complex op, which inductor cannot generate code for (it
+    would run it eagerly, on float32 copies of q and k)."""
     if freqs_cis.shape[0] < seqlen:
         raise ValueError(
             f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
             "raise the model's max_seq_len (it is set from training.seq_len)"
         )
-    freqs = freqs_cis[:seqlen].view(1, seqlen, 1, freqs_cis.shape[-1])
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+    table = freqs_cis[:seqlen]
+    if table.is_complex():
+        table = torch.view_as_real(table)  # [seqlen, head_dim/2, (re, im)]
+    return table[None, :, None, :, 0], table[None, :, None, :, 1]
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``xq``/``xk`` (``[B, S, H, head_dim]``) by the first ``S`` rows of ``freqs_cis``:
+    each pair ``(x[2i], x[2i+1])`` as the complex number ``x[2i] + i x[2i+1]`` times
+    ``freqs_cis[s, i]``, written out in real arithmetic (the same float32 products and sums).
+
+    The rotation is computed in float32 and the results are cast back to the inputs' dtypes.
+    """
+    cos, sin = _cos_sin(freqs_cis, xq.shape[1])
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = x.float().unflatten(-1, (-1, 2))
+        re, im = pairs[..., 0], pairs[..., 1]
+        return torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
 
 
 def apply_rotary_emb_half(
@@ -151,15 +167,8 @@ def apply_rotary_emb_half(
     rotate_half(x) * sin`` with the angles (and magnitude) of the first ``S`` rows of the
     complex table ``freqs_cis`` ``[>=S, head_dim/2]``. Computed in float32, cast back to the
     inputs' dtypes."""
-    seqlen = xq.shape[1]
-    if freqs_cis.shape[0] < seqlen:
-        raise ValueError(
-            f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
-            "raise the model's max_seq_len (it is set from training.seq_len)"
-        )
-    freqs = freqs_cis[:seqlen]
-    cos = torch.cat([freqs.real, freqs.real], dim=-1).view(1, seqlen, 1, -1)
-    sin = torch.cat([freqs.imag, freqs.imag], dim=-1).view(1, seqlen, 1, -1)
+    cos, sin = _cos_sin(freqs_cis, xq.shape[1])
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -1,0 +1,112 @@
+"""RoPE's rotation (torchtitan/models/common/rope.py) is real arithmetic: the complex product
+it stands for, to the bit, and a compiled graph without complex ops (which inductor cannot
+generate code for: they would run eagerly on float32 copies of q and k)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan.models.common.rope import (
+    YaRNScalingArgs,
+    apply_rotary_emb,
+    apply_rotary_emb_half,
+    precompute_freqs_cis,
+)
+
+B, S, H, KV, D = 2, 48, 4, 2, 32
+
+
+def _complex_reference(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The rotation as a complex product: pair (2i, 2i+1) times freqs_cis[s, i]."""
+    freqs = freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
+def _half_reference(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half: x * cos + rotate_half(x) * sin, cos/sin from the complex table."""
+    freqs = freqs_cis[: x.shape[1]]
+    cos = torch.cat([freqs.real, freqs.real], -1)[None, :, None]
+    sin = torch.cat([freqs.imag, freqs.imag], -1)[None, :, None]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).type_as(x)
+
+
+def _tables() -> dict[str, torch.Tensor]:
+    yarn = YaRNScalingArgs(factor=4.0, original_max_position_embeddings=16,
+                           attention_factor=1.0 + 0.1 * 1.386)
+    return {"plain": precompute_freqs_cis(D, 64, 10000.0),
+            "yarn": precompute_freqs_cis(D, 64, 50000.0, yarn)}  # magnitude != 1
+
+
+@pytest.mark.parametrize("table", ["plain", "yarn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_equals_the_complex_product_bitwise(table, dtype):
+    freqs_cis = _tables()[table]
+    gen = torch.Generator().manual_seed(0)
+    xq = torch.randn(B, S, H, D, generator=gen).to(dtype)
+    xk = torch.randn(B, S, KV, D, generator=gen).to(dtype)
+    q, k = apply_rotary_emb(xq, xk, freqs_cis)
+    assert q.dtype == dtype and torch.equal(q, _complex_reference(xq, freqs_cis))
+    assert torch.equal(k, _complex_reference(xk, freqs_cis))
+    q, k = apply_rotary_emb_half(xq, xk, freqs_cis)
+    assert torch.equal(q, _half_reference(xq, freqs_cis))
+    assert torch.equal(k, _half_reference(xk, freqs_cis))
+
+
+def _complex_values_in_graph(fn, *args) -> list[str]:
+    """The nodes of the graph dynamo captures for ``fn(*args)`` that hold a complex tensor."""
+    found: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                found.append(node.name)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return found
+
+
+@pytest.mark.parametrize("rotary", [apply_rotary_emb, apply_rotary_emb_half])
+def test_given_the_real_table_a_compiled_rotation_has_no_complex_value(rotary):
+    freqs_cis = _tables()["yarn"]
+    xq, xk = torch.randn(B, S, H, D), torch.randn(B, S, KV, D)
+    assert _complex_values_in_graph(rotary, xq, xk, torch.view_as_real(freqs_cis)) == []
+    assert _complex_values_in_graph(rotary, xq, xk, freqs_cis)  # the check sees complex ones
+    # the real view gives the same numbers as the complex table
+    for a, b in zip(rotary(xq, xk, torch.view_as_real(freqs_cis)), rotary(xq, xk, freqs_cis)):
+        assert torch.equal(a, b)
+
+
+def test_decoder_blocks_get_the_real_table_and_compile_to_the_eager_numbers():
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model import Transformer
+
+    args = llama3_args["debugmodel_tiny"]
+    args = type(args)(**{**args.__dict__, "vocab_size": 64, "max_seq_len": S})
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    seen = []
+    model.layers["0"].register_forward_pre_hook(lambda _m, a: seen.append(a[1]))
+    tokens = torch.randint(0, 64, (B, S))
+    eager = model(tokens)
+    assert not seen[0].is_complex() and seen[0].shape == (S, args.head_dim // 2, 2)
+    block = model.layers["0"]
+    assert _complex_values_in_graph(block, torch.randn(B, S, args.dim), seen[0]) == []
+    torch._dynamo.reset()
+    for key in list(model.layers):
+        model.layers[key] = torch.compile(model.layers[key], backend="aot_eager")
+    torch.testing.assert_close(model(tokens), eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_longer_than_the_table_is_one_clear_error():
+    freqs_cis = precompute_freqs_cis(D, 8)
+    x = torch.zeros(1, 9, 1, D)
+    for rotary in (apply_rotary_emb, apply_rotary_emb_half):
+        with pytest.raises(ValueError, match="sequence length 9 exceeds the RoPE table"):
+            rotary(x, x, freqs_cis)
