@@ -18,8 +18,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
+
+import torch  # noqa: E402
+
+from torchtitan.tools.cli_args import non_negative_int, positive_int  # noqa: E402
 
 
 def _time_steps(step_fn, steps: int, warmup: int, sync) -> list[float]:
@@ -63,10 +70,12 @@ def bare_loop_step_fn(trainer, batches):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="timed steps including warm-up")
-    p.add_argument("--warmup", type=int, default=3, help="steps excluded from timing")
+    p.add_argument("--steps", type=positive_int, default=12, help="timed steps including warm-up")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="steps excluded from timing")
     p.add_argument("--baseline", action="store_true", help="also time a bare PyTorch loop")
     args, trainer_flags = p.parse_known_args(argv)
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time")
     if not any(f.startswith("--job.config_file") or f == "--module" for f in trainer_flags):
         trainer_flags = ["--job.config_file", "./train_configs/debug_model.toml", *trainer_flags]
     trainer_flags += ["--training.steps", str(args.steps + 1)]
@@ -76,9 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
 
+    from torchtitan.preflight import USER_ERRORS
+    from torchtitan.tools.error_file import report_error
+
     init_logger()
     cfg = parse_args_or_exit(trainer_flags)
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except USER_ERRORS as err:  # a layout or file the trainer refuses: its one line, exit 2
+        code = report_error(err, 2)
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # every rank refuses alike; gloo can abort at exit otherwise
+            from torchtitan.distributed.utils import hard_exit
+
+            hard_exit(code)
+        return code
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     data_iterator = iter(trainer.dataloader)
     trainer.metrics.memory_monitor.reset_peak_stats()

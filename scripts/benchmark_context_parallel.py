@@ -23,6 +23,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # a checkout run without installing it
+
+from torchtitan.tools.cli_args import int_at_least, non_negative_int, positive_int  # noqa: E402
 
 
 def run_layout(nproc: int, flags: list[str], args: argparse.Namespace) -> list[dict]:
@@ -34,6 +38,11 @@ def run_layout(nproc: int, flags: list[str], args: argparse.Namespace) -> list[d
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // nproc)))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
+        errors = [ln[ln.find("error: "):] for ln in (proc.stdout + proc.stderr).splitlines()
+                  if "error: " in ln]
+        if errors:  # the trainer refused the flags: its own line(s), not torchrun's traceback
+            print("\n".join(dict.fromkeys(errors)), file=sys.stderr)
+            raise SystemExit(2)
         sys.stderr.write(proc.stderr[-3000:])
         raise SystemExit(f"benchmark failed for {' '.join(flags)}")
     decoder, rows = json.JSONDecoder(), []
@@ -56,11 +65,14 @@ def activation_bytes(nproc: int, flags: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--nproc", type=int, default=2, help="ranks; the CP run uses cp = nproc")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq-len", type=positive_int, default=4096)
+    p.add_argument("--nproc", type=int_at_least(2), default=2,
+                   help="ranks; the CP run uses cp = nproc")
+    p.add_argument("--steps", type=positive_int, default=6)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
     args, extra = p.parse_known_args(argv)
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time")
     base = [
         "--job.config_file", str(ROOT / "train_configs/debug_model.toml"),
         "--training.seq_len", str(args.seq_len), "--training.local_batch_size", "1",

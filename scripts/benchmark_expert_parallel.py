@@ -28,16 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_context_parallel import ROOT, run_layout  # noqa: E402
 
 from torchtitan.distributed.parallel_dims import ParallelDims, ParallelismError  # noqa: E402
+from torchtitan.tools.cli_args import non_negative_int, positive_int  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--degrees", default="1,2,4")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--nproc", type=positive_int, default=4)
+    p.add_argument("--steps", type=positive_int, default=5)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--degrees", default="1,2,4",
+                   type=lambda text: [positive_int(d) for d in text.split(",")])
+    p.add_argument("--tp", type=positive_int, default=1)
     args, extra = p.parse_known_args(argv)
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time")
+    if args.nproc % args.tp:
+        p.error(f"--tp {args.tp} must divide --nproc {args.nproc}")
     base = [
         "--job.config_file", str(ROOT / "train_configs/qwen3_debugmodel_moe.toml"),
         "--training.local_batch_size", "4", "--training.seq_len", "512",
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "--parallelism.tensor_parallel_degree", str(args.tp),
         *extra,
     ]
-    layouts = [(int(d), etp) for d in args.degrees.split(",")
+    layouts = [(d, etp) for d in args.degrees
                for etp in range(1, args.tp + 1) if args.tp % etp == 0]
     rows = {}
     for ep, etp in layouts:
@@ -71,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                 sum(r.get("ep_all_to_all_mib_per_step", 0.0) for r in per_rank) / len(per_rank), 2),
         }
         print(json.dumps(rows[name]), flush=True)
+    if not rows:
+        print(f"error: none of --degrees {','.join(map(str, args.degrees))} fits {args.nproc} "
+              f"ranks with --tp {args.tp} (see the skipped lines above)", file=sys.stderr)
+        return 2
     first_name = next(iter(rows))
     first = rows[first_name]
     summary = {

@@ -17,22 +17,30 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
 
-from torchtitan.models.common.moe import GroupedExperts
+import torch  # noqa: E402
+
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.tools.cli_args import positive_int  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--dim", type=positive_int, default=256)
+    p.add_argument("--hidden", type=positive_int, default=512)
+    p.add_argument("--experts", type=positive_int, default=8)
+    p.add_argument("--top-k", type=positive_int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=20)
     args = p.parse_args(argv)
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} routes each token to more experts than --experts {args.experts}")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     experts = GroupedExperts(args.dim, args.hidden, args.experts).to(dtype)

@@ -15,14 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import weakref
+from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
 
-from torchtitan.components.chunked_loss import linear_cross_entropy_sum
-from torchtitan.components.loss import build_cross_entropy_loss
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from torchtitan.components.chunked_loss import linear_cross_entropy_sum  # noqa: E402
+from torchtitan.components.loss import build_cross_entropy_loss  # noqa: E402
+from torchtitan.tools.cli_args import (  # noqa: E402
+    available_device,
+    non_negative_int,
+    positive_int,
+)
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -112,15 +123,16 @@ def measure(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--device", type=available_device,
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=positive_int, default=2048)
+    p.add_argument("--dim", type=positive_int, default=256)
+    p.add_argument("--vocab", type=positive_int, default=32000)
+    p.add_argument("--chunk", type=positive_int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--compile", action="store_true", help="compile both paths' loss math")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--iters", type=positive_int, default=5)
     args = p.parse_args(argv)
     results = measure(args)
     logits = results["logits"]

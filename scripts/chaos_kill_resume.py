@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from torchtitan.tools.cli_args import positive_int  # noqa: E402
+
 STEPS = 12
 FLAGS = [
     "--job.config_file", "./train_configs/debug_model.toml",
@@ -140,7 +142,7 @@ def _run(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tiny")
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--trials", type=positive_int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the trial folders here (default: a temporary folder)")
     args = parser.parse_args(argv)

@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--settings: unknown {unknown}; choose from {','.join(SETTINGS)}")
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} leaves no logged step of --steps {args.steps}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.target = args.target or args.work_dir / "site"
     args.variants = {}
     for spec in args.ours_variant:

@@ -33,6 +33,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # a checkout run without installing it
+
+from torchtitan.tools.cli_args import positive_int  # noqa: E402
+
 MODELS = [  # (config, extra flags, has experts)
     ("train_configs/debug_model.toml", ["--model.flavor", "debugmodel_tiny"], False),
     ("train_configs/qwen3_debugmodel.toml", [], False),
@@ -89,11 +94,15 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
     return ngpu, flags
 
 
+def _ngpus(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(n) for n in text.split(","))
+
+
 def add_ngpus_argument(parser: argparse.ArgumentParser) -> None:
     """``--ngpus 1,2,4,8``: the NGPU values drawn from (repeats weight them)."""
     parser.add_argument(
         "--ngpus", default=",".join(map(str, NGPU_POOL)),
-        type=lambda text: tuple(int(n) for n in text.split(",")),
+        type=_ngpus,
         help="comma-separated NGPU values to draw from, repeats weight them "
              "(default %(default)s; 8 reaches 3-4 parallel dimensions at once, slower)",
     )
@@ -119,6 +128,7 @@ def run(config: str, ngpu: int, flags: list[str], dump: Path, resume: bool, time
         verdict = "user-error"
     else:
         verdict = "BUG"
+        dump.parent.mkdir(parents=True, exist_ok=True)  # a run refused early made none
         Path(f"{dump}.log").write_text(out)
     took = time.monotonic() - begin
     print(f"{'  resume' if resume else 'run'} {verdict} (exit {code}, {took:.0f} s) NGPU={ngpu} "
@@ -132,9 +142,9 @@ def run(config: str, ngpu: int, flags: list[str], dump: Path, resume: bool, time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--trials", type=int, default=14)
+    parser.add_argument("--trials", type=positive_int, default=14)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=int, default=400, help="seconds per run")
+    parser.add_argument("--timeout", type=positive_int, default=400, help="seconds per run")
     add_ngpus_argument(parser)
     parser.add_argument("--folder", default="/tmp/layout_sweep", help="dump folders go here")
     args = parser.parse_args(argv)

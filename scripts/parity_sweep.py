@@ -32,6 +32,12 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
+
+from torchtitan.tools.cli_args import non_negative_float, positive_int  # noqa: E402
+
 SCRIPTS = Path(__file__).resolve().parent
 
 
@@ -127,11 +133,11 @@ def compare(config: str, shared: list[str], side_a: str, side_b: str, folder: Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rtol", type=float, default=1e-4)
-    parser.add_argument("--atol", type=float, default=1e-4)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    parser.add_argument("--rtol", type=non_negative_float, default=1e-4)
+    parser.add_argument("--atol", type=non_negative_float, default=1e-4)
     parser.add_argument("--folder", default="/tmp/parity_sweep", help="dump folders go here")
     layout_sweep.add_ngpus_argument(parser)
     args = parser.parse_args(argv)

@@ -63,6 +63,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = p.parse_args(argv)
     if args.groups < 1 or args.ranks_per_group < 1:
         p.error("--groups and --ranks-per-group must be >= 1")
+    if not 1 <= args.lighthouse_port <= 65535:
+        p.error(f"--lighthouse-port must be a TCP port (1-65535), got {args.lighthouse_port}")
+    if args.max_restarts < 0 or args.join_timeout_ms < 1 or not args.stop_timeout > 0:
+        p.error("--max-restarts must be >= 0, --join-timeout-ms and --stop-timeout > 0")
     return args, trainer_flags
 
 
