@@ -81,12 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     trainer_flags += ["--training.steps", str(args.steps + 1)]
 
     from torchtitan.config.manager import parse_args_or_exit
+    from torchtitan.preflight import USER_ERRORS
     from torchtitan.tools.device import device_type
+    from torchtitan.tools.error_file import report_error
     from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
-
-    from torchtitan.preflight import USER_ERRORS
-    from torchtitan.tools.error_file import report_error
 
     init_logger()
     cfg = parse_args_or_exit(trainer_flags)
