@@ -1,6 +1,6 @@
-"""RoPE's rotation (torchtitan/models/common/rope.py) is real arithmetic: the complex product
-it stands for, to the bit, and a compiled graph without complex ops (which inductor cannot
-generate code for: they would run eagerly on float32 copies of q and k)."""
+"""RoPE's rotation (torchtitan/models/common/rope.py): eagerly a complex product, compiled the
+same arithmetic written out in reals, to the bit; a compiled graph holds no complex op (which
+inductor cannot generate code for: it would run eagerly on float32 copies of q and k)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torchtitan.models.common.rope import (
     apply_rotary_emb,
     apply_rotary_emb_half,
     precompute_freqs_cis,
+    rotate_pairs_real,
 )
 
 B, S, H, KV, D = 2, 48, 4, 2, 32
@@ -47,9 +48,12 @@ def test_rotation_equals_the_complex_product_bitwise(table, dtype):
     gen = torch.Generator().manual_seed(0)
     xq = torch.randn(B, S, H, D, generator=gen).to(dtype)
     xk = torch.randn(B, S, KV, D, generator=gen).to(dtype)
-    q, k = apply_rotary_emb(xq, xk, freqs_cis)
-    assert q.dtype == dtype and torch.equal(q, _complex_reference(xq, freqs_cis))
-    assert torch.equal(k, _complex_reference(xk, freqs_cis))
+    # eager (the complex product) and compiled code's real arithmetic, either form of the table
+    for rotary in (apply_rotary_emb, rotate_pairs_real):
+        for table_form in (freqs_cis, torch.view_as_real(freqs_cis)):
+            q, k = rotary(xq, xk, table_form)
+            assert q.dtype == dtype and torch.equal(q, _complex_reference(xq, freqs_cis))
+            assert torch.equal(k, _complex_reference(xk, freqs_cis))
     q, k = apply_rotary_emb_half(xq, xk, freqs_cis)
     assert torch.equal(q, _half_reference(xq, freqs_cis))
     assert torch.equal(k, _half_reference(xk, freqs_cis))

@@ -123,6 +123,16 @@ def precompute_freqs_cis(
     return torch.polar(torch.full_like(angles, magnitude), angles)
 
 
+def _first_rows(freqs_cis: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """The table's first ``seqlen`` rows; one clear error when it is shorter."""
+    if freqs_cis.shape[0] < seqlen:
+        raise ValueError(
+            f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
+            "raise the model's max_seq_len (it is set from training.seq_len)"
+        )
+    return freqs_cis[:seqlen]
+
+
 def _cos_sin(freqs_cis: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The real and imaginary parts (magnitude x cos, magnitude x sin) of the first ``seqlen``
     rows of the table, as float32 ``[1, seqlen, 1, head_dim/2]`` views. ``freqs_cis`` is the
@@ -130,12 +140,7 @@ def _cos_sin(freqs_cis: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.
     (what the decoder passes its blocks). The rotation is real arithmetic: a compiled block
     given the real view holds no complex op, which inductor cannot generate code for (it
     would run it eagerly, on float32 copies of q and k)."""
-    if freqs_cis.shape[0] < seqlen:
-        raise ValueError(
-            f"sequence length {seqlen} exceeds the RoPE table ({freqs_cis.shape[0]} positions); "
-            "raise the model's max_seq_len (it is set from training.seq_len)"
-        )
-    table = freqs_cis[:seqlen]
+    table = _first_rows(freqs_cis, seqlen)
     if table.is_complex():
         table = torch.view_as_real(table)  # [seqlen, head_dim/2, (re, im)]
     return table[None, :, None, :, 0], table[None, :, None, :, 1]
@@ -146,10 +151,28 @@ def apply_rotary_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``xq``/``xk`` (``[B, S, H, head_dim]``) by the first ``S`` rows of ``freqs_cis``:
     each pair ``(x[2i], x[2i+1])`` as the complex number ``x[2i] + i x[2i+1]`` times
-    ``freqs_cis[s, i]``, written out in real arithmetic (the same float32 products and sums).
+    ``freqs_cis[s, i]``, computed in float32 and cast back to the inputs' dtypes.
 
-    The rotation is computed in float32 and the results are cast back to the inputs' dtypes.
+    Eagerly that is one complex product per tensor (one kernel); under ``torch.compile`` the
+    same float32 products and sums written out in real arithmetic (:func:`rotate_pairs_real`),
+    which inductor fuses with the code around it. Both give the same bits.
     """
+    if torch.compiler.is_compiling():
+        return rotate_pairs_real(xq, xk, freqs_cis)
+    table = _first_rows(freqs_cis, xq.shape[1])
+    freqs = (table if table.is_complex() else torch.view_as_complex(table)).unsqueeze(0).unsqueeze(2)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(pairs * freqs).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+def rotate_pairs_real(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_emb` in real arithmetic: ``(re*cos - im*sin, re*sin + im*cos)``."""
     cos, sin = _cos_sin(freqs_cis, xq.shape[1])
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
