@@ -137,8 +137,7 @@ def _attention_module():
     torch.manual_seed(0)
     attn = GroupedQueryAttention(dim=64, n_heads=4, n_kv_heads=2, head_dim=16)
     attn.init_weights(0.02)
-    # the table's real view, as the decoder hands it to its blocks
-    freqs = torch.view_as_real(precompute_freqs_cis(16, 32, 10000.0, None))
+    freqs = precompute_freqs_cis(16, 32, 10000.0, None)
     x = torch.randn(2, 32, 64, requires_grad=True)
     return attn, freqs, x
 

@@ -38,6 +38,11 @@ KNOWN: dict[str, str] = {
         "torchao could not load its CUDA kernel libraries (CUDA-built wheel on a machine "
         "without that CUDA): the float8 / MX converters use torch ops and Triton, not these"
     ),
+    r"Torchinductor does not support code generation for complex operators": (
+        "inductor leaves ops on complex tensors out of its generated code; in torchtitan's "
+        "models that is only the view of the RoPE table as cos/sin (a few KB per block): q "
+        "and k are rotated in real arithmetic, which inductor fuses"
+    ),
     r"is an Enum subclass and is now natively supported by torch.compile": (
         "torchao 0.18 registers its enums with an older torch API that torch now deprecates; "
         "harmless"

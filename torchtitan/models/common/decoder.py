@@ -371,9 +371,6 @@ class Decoder(nn.Module):
         without the embedding); the mask is built once here for all layers with the same
         window (``DecoderArgs.attention_window``)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The blocks get the table's real view: compiled, they then hold no complex op
-        # (inductor runs those eagerly, on float32 copies of q and k).
-        rope_table = torch.view_as_real(self.freqs_cis)
         masks: dict[int | None, Any] = {}
         for key, layer in self.layers.items():
             window = self.model_args.attention_window(int(key))
@@ -382,7 +379,7 @@ class Decoder(nn.Module):
                     self.model_args, tokens, document_ids, h.device, sliding_window=window,
                     shard=self.sequence_shard,
                 )
-            h = layer(h, rope_table, attention_mask=masks[window])
+            h = layer(h, self.freqs_cis, attention_mask=masks[window])
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h

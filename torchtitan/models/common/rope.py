@@ -136,10 +136,11 @@ def _first_rows(freqs_cis: torch.Tensor, seqlen: int) -> torch.Tensor:
 def _cos_sin(freqs_cis: torch.Tensor, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The real and imaginary parts (magnitude x cos, magnitude x sin) of the first ``seqlen``
     rows of the table, as float32 ``[1, seqlen, 1, head_dim/2]`` views. ``freqs_cis`` is the
-    complex table ``[>=seqlen, head_dim/2]`` or its real view ``[>=seqlen, head_dim/2, 2]``
-    (what the decoder passes its blocks). The rotation is real arithmetic: a compiled block
-    given the real view holds no complex op, which inductor cannot generate code for (it
-    would run it eagerly, on float32 copies of q and k)."""
+    complex table ``[>=seqlen, head_dim/2]`` (what the decoder passes its blocks: FSDP's mixed
+    precision would cast a real one to bfloat16 on its way in) or its real view
+    ``[>=seqlen, head_dim/2, 2]``. Compiled, only this view of the small table touches a
+    complex tensor; q and k are rotated in real arithmetic, which inductor fuses (it cannot
+    generate code for complex ops: they would run eagerly on float32 copies of q and k)."""
     table = _first_rows(freqs_cis, seqlen)
     if table.is_complex():
         table = torch.view_as_real(table)  # [seqlen, head_dim/2, (re, im)]
