@@ -92,14 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
     except USER_ERRORS as err:  # a layout or file the trainer refuses: its one line, exit 2
-        code = report_error(err, 2)
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # every rank refuses alike; gloo can abort at exit otherwise
-            from torchtitan.distributed.utils import hard_exit
-
-            hard_exit(code)
-        return code
+        return _finish(report_error(err, 2))  # every rank refuses alike
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     data_iterator = iter(trainer.dataloader)
     trainer.metrics.memory_monitor.reset_peak_stats()
@@ -153,14 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     trainer.close()
     sys.stdout.write(json.dumps(result) + "\n")  # one write: ranks share the launcher's stdout
     sys.stdout.flush()
+    return _finish(0)
+
+
+def _finish(code: int) -> int:
+    """Exit with ``code``; under torchrun through hard_exit (gloo can abort in interpreter
+    finalisation otherwise), after shutting the process group down when all went well."""
     import torch.distributed as dist
 
-    if dist.is_initialized():  # gloo can abort in interpreter finalisation otherwise
+    if dist.is_initialized():
         from torchtitan.distributed.utils import hard_exit, shutdown_distributed
 
-        shutdown_distributed()
-        hard_exit(0)
-    return 0
+        if code == 0:
+            shutdown_distributed()
+        hard_exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -39,14 +39,6 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def tcp_port(text: str) -> int:
-    """A TCP port number, 1-65535."""
-    value = int_at_least(1)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
-    return value
-
-
 def available_device(text: str) -> str:
     """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ...)."""
     import torch
