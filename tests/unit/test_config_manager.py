@@ -99,6 +99,27 @@ def test_last_repeated_flag_wins():
     assert parse("--training.steps", "3", "--training.steps", "4").training.steps == 4
 
 
+def test_a_key_set_twice_to_different_values_warns_once(caplog):
+    with caplog.at_level("WARNING"):
+        cfg = parse(
+            "--training.steps", "3", "--training.steps=4",
+            "--training.batch_size", "2", "--training.local-batch-size", "5",
+            "--compile.enable", "--compile.no_enable",
+            "--activation_checkpoint.mode", "none", "--activation_checkpoint.mode", "none",
+            "--training.seq_len", "64",
+        )  # fmt: skip
+    assert (cfg.training.steps, cfg.training.local_batch_size, cfg.compile.enable) == (4, 5, False)
+    repeated = [m for m in caplog.messages if "more than once" in m]
+    assert repeated == [
+        "--training.steps is set more than once on the command line "
+        "(--training.steps 3, then --training.steps 4); the last one is used: 4",
+        "--training.local_batch_size is set more than once on the command line "
+        "(--training.batch_size 2, then --training.local-batch-size 5); the last one is used: 5",
+        "--compile.enable is set more than once on the command line "
+        "(--compile.enable on, then --compile.no_enable off); the last one is used: off",
+    ]
+
+
 # --------------------------------------------------------------------- booleans
 
 

@@ -9,6 +9,7 @@ are interchangeable; old keys are renamed through :mod:`torchtitan.config.legacy
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torchtitan.config.legacy as legacy
@@ -20,6 +21,8 @@ __all__ = ["apply_ops", "looks_like_flag", "parse_flags", "peek", "take_manager_
 
 # One operation: ("set", key, value) or ("append", key, item) -- the legacy module's Op.
 Op = tuple[str, str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 def flag_name(token: str) -> tuple[str, str | None]:
@@ -146,9 +149,13 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
     Every value is already converted to its field's type; anything wrong raises ConfigError.
     """
     ops: list[Op] = []
+    sources: list[str] = []  # the flag each operation came from, for _warn_repeated
+    flag = ""
     i = 0
     while i < len(argv):
+        sources.extend([flag] * (len(ops) - len(sources)))
         token = argv[i]
+        flag = token.partition("=")[0]
         i += 1
         if not looks_like_flag(token):
             raise ConfigError(
@@ -212,7 +219,33 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
             raise ConfigError(_unknown_flag(name, fields))
         text, i = _value(argv, i, inline, target)
         ops.append(("set", target, _convert(text, field, f"--{target}")))
+    sources.extend([flag] * (len(ops) - len(sources)))
+    _warn_repeated(ops, sources)
     return ops
+
+
+def _warn_repeated(ops: list[Op], sources: list[str]) -> None:
+    """One warning per key that two flags set to different values (the last one wins)."""
+    seen: dict[str, list[tuple[str, Any]]] = {}
+    for (op, key, value), source in zip(ops, sources):
+        if op == "set":
+            seen.setdefault(key, []).append((source, value))
+    for key, sets in seen.items():
+        if len({repr(value) for _, value in sets}) < 2:
+            continue
+        given = ", then ".join(f"{source} {_shown(value)}" for source, value in sets)
+        logger.warning(
+            f"--{key} is set more than once on the command line ({given}); "
+            f"the last one is used: {_shown(sets[-1][1])}"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
 
 
 def apply_ops(cfg: Any, ops: list[Op]) -> Any:
