@@ -4,10 +4,10 @@ one line and exit 2; a resume at another random layout must load the checkpoint 
 
     python scripts/layout_sweep.py --trials 14 --seed 5      # about 6 minutes on 2 CPU cores
 
-Slow, not part of CI. Each trial draws a model (Llama 3 tiny, Qwen3, Qwen3 MoE, DeepSeek-V3
-debug), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule) / CP / replicate,
-expert parallel and expert TP (any divisor of tp) for MoE models, compile (aot_eager or
-inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), bf16 mixed
+Slow, not part of CI. Each trial draws a model (the debug Llama 3 tiny, Llama 2, Qwen3, Qwen3
+MoE, DeepSeek-V3, gpt-oss), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule)
+/ CP / replicate, expert parallel and expert TP (any divisor of tp) for MoE models, compile
+(aot_eager or inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), bf16 mixed
 precision and gradient accumulation, and runs 2 steps through ``./run_train.sh`` with a
 checkpoint every step. When that trains, a second layout of the same model resumes it to step 3
 (redrawn while it is refused as a user error). Verdicts:
@@ -43,6 +43,9 @@ MODELS = [  # (config, extra flags, has experts)
     ("train_configs/qwen3_debugmodel.toml", [], False),
     ("train_configs/qwen3_debugmodel_moe.toml", [], True),
     ("train_configs/deepseek_v3_debugmodel.toml", [], True),
+    ("train_configs/gpt_oss_debugmodel.toml", [], True),
+    ("train_configs/debug_model.toml", ["--model.name", "llama2", "--model.flavor", "debugmodel"],
+     False),
 ]
 SCHEDULES = ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble"]
 
