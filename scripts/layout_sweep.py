@@ -72,11 +72,17 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
             key = name if name.startswith("data") else f"{name}_parallel"
             flags += [f"--parallelism.{key}_degree", str(degree)]
     if moe and rng.random() < 0.6:
-        flags += ["--parallelism.expert_parallel_degree", str(rng.choice([2, 2, 4]))]
-        tp = degrees["tensor"]
+        tp, etp = degrees["tensor"], 1
         if tp > 1 and rng.random() < 0.5:  # any divisor of tp: all TP ranks, or groups of them
             etp = rng.choice([d for d in range(2, tp + 1) if tp % d == 0])
-            flags += ["--parallelism.expert_tensor_parallel_degree", str(etp)]
+        # the TP ranks split the MoE tokens tp/etp ways; an ep group is a multiple of those
+        # token groups within them times the data-parallel shard ranks
+        groups = tp // etp
+        eps = [d for d in (2, 2, 4, 8) if d % groups == 0 and (groups * left) % d == 0]
+        if eps:
+            flags += ["--parallelism.expert_parallel_degree", str(rng.choice(eps))]
+            if etp > 1:
+                flags += ["--parallelism.expert_tensor_parallel_degree", str(etp)]
     if degrees["pipeline"] > 1:
         flags += ["--parallelism.pipeline_parallel_schedule", rng.choice(SCHEDULES)]
     if rng.random() < 0.35:
@@ -109,6 +115,34 @@ def add_ngpus_argument(parser: argparse.ArgumentParser) -> None:
         help="comma-separated NGPU values to draw from, repeats weight them "
              "(default %(default)s; 8 reaches 3-4 parallel dimensions at once, slower)",
     )
+
+
+def add_models_argument(parser: argparse.ArgumentParser) -> None:
+    """``--models gpt_oss,llama2``: draw only the models whose names hold one of these."""
+
+    def models(text: str) -> list[tuple[str, list[str], bool]]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        chosen = [m for m, name in zip(MODELS, _model_names()) if any(n in name for n in names)]
+        if not chosen:
+            raise argparse.ArgumentTypeError(
+                f"no model matches {text!r}; the models: {', '.join(_model_names())}")
+        return chosen
+
+    parser.add_argument("--models", type=models, default=MODELS,
+                        help=f"comma-separated names to draw from (default all: "
+                             f"{', '.join(_model_names())})")
+
+
+def _model_names() -> list[str]:
+    names = []
+    for config, extra, _ in MODELS:
+        name = Path(config).stem.replace("_debugmodel", "")
+        if "--model.name" in extra:
+            name = extra[extra.index("--model.name") + 1]
+        elif "--model.flavor" in extra:
+            name = "llama3_" + extra[extra.index("--model.flavor") + 1].replace("debugmodel_", "")
+        names.append(name)
+    return names
 
 
 def run(config: str, ngpu: int, flags: list[str], dump: Path, resume: bool, timeout: int) -> str:
@@ -150,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=positive_int, default=400, help="seconds per run")
     add_ngpus_argument(parser)
     parser.add_argument("--folder", default="/tmp/layout_sweep", help="dump folders go here")
+    add_models_argument(parser)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     verdicts: list[str] = []
     for trial in range(args.trials):
-        config, extra, moe = rng.choice(MODELS)
+        config, extra, moe = rng.choice(args.models)
         dump = Path(args.folder) / f"seed{args.seed}_trial{trial:02d}"
         shutil.rmtree(dump, ignore_errors=True)
         print(f"trial {trial}:", flush=True)

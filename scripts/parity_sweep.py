@@ -140,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--atol", type=non_negative_float, default=1e-4)
     parser.add_argument("--folder", default="/tmp/parity_sweep", help="dump folders go here")
     layout_sweep.add_ngpus_argument(parser)
+    layout_sweep.add_models_argument(parser)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     verdicts: list[str] = []
     for trial in range(args.trials):
-        config, extra, moe = rng.choice(layout_sweep.MODELS)
+        config, extra, moe = rng.choice(args.models)
         folder = Path(args.folder) / f"seed{args.seed}_trial{trial:02d}"
         for _ in range(6):  # redraw layouts refused as user errors
             ngpu, flags = layout_sweep.draw_layout(

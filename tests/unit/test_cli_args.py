@@ -5,6 +5,7 @@ report nonsense, a traceback, or a hang)."""
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
@@ -40,6 +41,8 @@ def test_types_accept_good_values_and_say_what_is_wrong():
         ("parity_sweep", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
         ("parity_sweep", ["--rtol", "-1"], "argument --rtol: must be a finite number >= 0"),
         ("layout_sweep", ["--ngpus", "2,0"], "argument --ngpus: must be >= 1, got 0"),
+        ("parity_sweep", ["--models", "llama4"], "argument --models: no model matches 'llama4'; "
+         "the models: llama3_tiny, qwen3, qwen3_moe, deepseek_v3, gpt_oss, llama2"),
         ("benchmark_loss", ["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),
         ("benchmark_grouped_experts", ["--top-k", "9"],
          "--top-k 9 routes each token to more experts than --experts 8"),
@@ -69,3 +72,15 @@ def test_scripts_find_the_package_from_a_checkout_without_installing_it():
             continue
         assert "sys.path.insert(0" in text[:first], (
             f"{path.name} imports torchtitan before putting the checkout on sys.path")
+
+
+def test_layout_sweep_draws_expert_parallelism_only_where_it_fits():
+    """EP borrows data-parallel shard ranks (and the TP ranks without expert TP): on one rank
+    a MoE model is drawn without it, instead of wasting a trial on a refused layout."""
+    sweep = load_script("layout_sweep")
+    rng = random.Random(0)
+    one = [sweep.draw_layout(rng, [], True, 2, ngpus=(1,))[1] for _ in range(100)]
+    assert not [f for f in one if "--parallelism.expert_parallel_degree" in f]
+    four = [sweep.draw_layout(rng, [], True, 2, ngpus=(4,))[1] for _ in range(100)]
+    assert len([f for f in four if "--parallelism.expert_parallel_degree" in f]) > 20
+    assert "train_configs/gpt_oss_debugmodel.toml" in [m[0] for m in sweep.MODELS]
