@@ -18,6 +18,7 @@ def resume(trainer: Any) -> None:
     checkpointer.load(step=cfg.checkpoint.load_step)
     if trainer.step < cfg.training.steps:  # it trains on: a rewind's newer steps go aside now
         checkpointer.set_aside_abandoned()
+        checkpointer.check_space(trainer.step, cfg.training.steps)
     if trainer.ft is not None:
         trainer.ft.after_checkpoint_load()
     trainer.comm_mode.load_initial_weights(trainer.model_parts)  # COMM_MODE=local_tensor

@@ -219,4 +219,5 @@ def test_unwritable_folder_fails_before_training_and_short_space_warns(tmp_path,
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     code, log = run(tmp_path, "--training.steps", "1", "--checkpoint.interval", "100")
     short = [m for m in log.lines(logging.WARNING) if "less than one checkpoint" in m]
-    assert short and "0.00 GiB free" in short[0] and "GiB: weights + optimizer state" in short[0]
+    assert short and "has 1000 bytes free" in short[0] and "MiB: weights + optimizer state" in short[0]
+    assert "the save at step 1 will fail with 'no space left'" in short[0]

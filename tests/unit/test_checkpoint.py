@@ -179,6 +179,40 @@ def test_keep_latest_k_purges_old_and_stale(tmp_path):
     assert _steps(rig.folder) == ["step-4", "step-5"]
 
 
+def test_start_up_names_the_save_that_would_not_fit(tmp_path, monkeypatch, caplog):
+    """check_space (called when training starts or resumes) counts the saves still ahead, the
+    checkpoints keep_latest_k keeps at once, those already in the folder, and a model-only last
+    save in the export dtype; the warning names the first save that runs out of room."""
+    from collections import namedtuple
+
+    from torchtitan.components.checkpoint.space import checkpoint_bytes
+
+    usage = namedtuple("usage", "total used free")
+
+    def warnings_for(rig: Rig, start: int, free: float) -> list[str]:
+        estimate = checkpoint_bytes(rig.ckpt.model)
+        monkeypatch.setattr(shutil, "disk_usage",
+                            lambda path: usage(10**12, 0, int(free * estimate)))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="torchtitan"):
+            rig.ckpt.check_space(start, 10)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    rig = Rig(tmp_path / "a")  # every 2 steps, keeps all: saves 2, 4, 6, 8, 10
+    (line,) = warnings_for(rig, 0, 2.5)
+    assert "this run saves 5 checkpoints" in line and "the save at step 6 will fail" in line
+    assert warnings_for(rig, 0, 5.0) == []
+    rig.train(4, total=10)  # step-2 and step-4 are on disk now (their bytes are not free)
+    (line,) = warnings_for(rig, 4, 2.5)
+    assert "this run saves 3 checkpoints" in line and "the save at step 10 will fail" in line
+    assert warnings_for(Rig(tmp_path / "b", keep_latest_k=1), 0, 2.5) == []
+    (line,) = warnings_for(Rig(tmp_path / "c", keep_latest_k=3), 0, 2.5)
+    assert "keeps the latest 3" in line and "the save at step 6 will fail" in line
+    small_last = Rig(tmp_path / "d", last_save_model_only=True, export_dtype="bfloat16")
+    assert warnings_for(small_last, 4, 2.2) == []  # 6 and 8 full, 10 only bf16 weights
+    assert warnings_for(Rig(tmp_path / "e"), 4, 2.2) != []
+
+
 def test_purge_never_lists_newest_or_protected(tmp_path):
     folder = tmp_path / "ck"
     for step in (1, 2, 3):

@@ -8,7 +8,13 @@ from torch import nn
 
 from torchtitan.components.adamw_bf16_state import AdamBF16State
 from torchtitan.components.checkpoint.common import ModelWrapper
-from torchtitan.components.checkpoint.space import checkpoint_bytes, optimizer_state_itemsize
+from torchtitan.components.checkpoint.space import (
+    checkpoint_bytes,
+    first_failing_save,
+    optimizer_state_itemsize,
+    save_steps,
+    warn_if_short,
+)
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Optimizer
 
@@ -37,26 +43,66 @@ def test_bfloat16_moments_count_two_bytes_each():
     assert checkpoint_bytes(ModelWrapper([bf16]), state_itemsize=2) == n * 2 * 3
 
 
-def test_room_for_one_checkpoint_but_not_two_warns(tmp_path, monkeypatch, caplog):
-    """A folder with room for exactly one checkpoint: the first save works and the second
-    fails, because the first is kept until the second is complete. Said at start-up."""
+def test_save_steps_are_the_interval_the_first_step_and_the_last():
+    assert save_steps(0, 10, 4) == [4, 8, 10]
+    assert save_steps(0, 8, 4) == [4, 8]
+    assert save_steps(0, 3, 1, first_step=True) == [1, 2, 3]
+    assert save_steps(0, 10, 100, first_step=True) == [1, 10]
+    assert save_steps(5, 12, 4) == [8, 12]  # resumed at step 5
+    assert save_steps(8, 8, 4) == []  # nothing left to train
+    assert len(save_steps(0, 10**6, 500)) == 2000
+
+
+def test_the_first_save_that_does_not_fit():
+    gib = 1024**3
+    sizes = [gib] * 5
+    # keep all: every save stays
+    assert first_failing_save(5 * gib, sizes, keep_latest_k=0, existing=0) is None
+    assert first_failing_save(int(2.5 * gib), sizes, keep_latest_k=0, existing=0) == 2
+    # keep the latest k: k + 1 at once (the newest stays until the next is complete)
+    assert first_failing_save(2 * gib, sizes, keep_latest_k=1, existing=0) is None
+    assert first_failing_save(int(1.5 * gib), sizes, keep_latest_k=1, existing=0) == 1
+    assert first_failing_save(3 * gib, sizes, keep_latest_k=3, existing=0) == 3
+    # checkpoints already in the folder count towards k and get deleted as new ones come
+    assert first_failing_save(gib, sizes, keep_latest_k=2, existing=3) is None
+    assert first_failing_save(3 * gib, sizes, keep_latest_k=3, existing=1) is None
+    assert first_failing_save(2 * gib, sizes, keep_latest_k=3, existing=1) == 2
+    assert first_failing_save(gib, sizes, keep_latest_k=3, existing=1) == 1
+    # a small last save (model only) fits where a full one would not
+    assert first_failing_save(3 * gib, [gib, gib, gib // 4], keep_latest_k=0, existing=0) is None
+    assert first_failing_save(int(0.5 * gib), [gib], keep_latest_k=0, existing=0) == 0
+
+
+def test_warnings_name_the_save_that_would_fail(tmp_path, monkeypatch, caplog):
+    """Said at start-up: the first save that runs out of room, whether the folder cannot hold
+    one checkpoint, the newest one plus the next, or every checkpoint a keep-all run writes."""
     import logging
     import shutil
     from collections import namedtuple
 
-    from torchtitan.components.checkpoint.space import warn_if_short
-
     usage = namedtuple("usage", "total used free")
     gib = 1024**3
-    for free, needle in ((gib // 2, "less than one checkpoint"),
-                         (3 * gib // 2, "room for one checkpoint (~1.00 GiB) but not two"),
-                         (3 * gib, None)):
+    cases = [
+        (gib // 2, [5, 10], 1, None, "has 512 MiB free, less than one checkpoint (~1.0 GiB: "
+         "weights + optimizer state); the save at step 5 will fail"),
+        (3 * gib // 2, [5, 10], 1, None, "room for one checkpoint (~1.0 GiB) but not two: the "
+         "save at step 10 will fail"),
+        (3 * gib, list(range(2, 21, 2)), 0, None, "this run saves 10 checkpoints of ~1.0 GiB "
+         "(steps 2, 4, ..., 20) and keeps them all (checkpoint.keep_latest_k=0), but "
+         f"{tmp_path} has 3.0 GiB free: the save at step 8 will fail with 'no space left'"),
+        (3 * gib, [4, 8, 12, 16], 3, None, "(steps 4, 8, 12, 16) and keeps the latest 3 "
+         "(checkpoint.keep_latest_k), but"),
+        (3 * gib, [2, 4, 6], 0, gib // 2, None),  # the last save holds only the model
+        (3 * gib, [5, 10], 1, None, None),
+    ]
+    for free, saves, keep, last, needle in cases:
         monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(4 * gib, 0, free))
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="torchtitan"):
-            warn_if_short(str(tmp_path), gib)
+            warn_if_short(str(tmp_path), gib, saves, keep, existing=0, last_bytes=last)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         if needle is None:
-            assert warnings == [] and "one checkpoint is ~1.00 GiB; 3.0 GiB free" in caplog.text
+            assert warnings == [], warnings
+            assert f"one checkpoint is ~1.0 GiB; this run saves {len(saves)} checkpoints" in caplog.text
         else:
             assert len(warnings) == 1 and needle in warnings[0], warnings

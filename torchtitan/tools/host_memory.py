@@ -19,6 +19,8 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+from torchtitan.tools.logging import byte_size
+
 GiB = 1024**3
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
@@ -26,10 +28,6 @@ __all__ = [
     "available_host_bytes", "check_training_state_fits", "killed_by_oom_killer",
     "oom_kill_count", "training_state_bytes",
 ]
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 1024**2:.0f} MiB"
 
 
 def _meminfo(path: str) -> dict[str, int]:
@@ -135,8 +133,8 @@ def check_training_state_fits(need: int, optimizer_name: str) -> None:
     whose = f" of the {ranks} ranks on this machine" if ranks > 1 else ""
     raise ParallelismError(
         f"out of host memory before the first step: the weights, gradients and {optimizer_name} "
-        f"states{whose} alone need {_size(host_need)}, and this machine has "
-        f"{_size(available)} available (free memory and swap); pick a smaller "
+        f"states{whose} alone need {byte_size(host_need)}, and this machine has "
+        f"{byte_size(available)} available (free memory and swap); pick a smaller "
         "model.flavor, or shard the model over more machines or GPUs"
     )
 

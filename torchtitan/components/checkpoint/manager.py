@@ -159,11 +159,28 @@ class CheckpointManager:
             setup_line(self.config, self.folder, self.async_mode, self.sd_adapter,
                        self.model.model_parts)
         self.lock = FolderLock(self.folder, writer_id)
+        self._sizes: tuple[int, int, int] | None = None  # for check_space
         if self.enable and not cfg.load_only:
             space.check_writable(self.folder)
             self.lock.acquire()  # one writer per folder (lock.py)
-            space.warn_if_short(self.folder, space.checkpoint_bytes(
-                self.model, state_itemsize=space.optimizer_state_itemsize(optimizers)))
+            self._sizes = space.checkpoint_sizes(
+                self.model, state_itemsize=space.optimizer_state_itemsize(optimizers))
+
+    def check_space(self, start: int, last: int) -> None:
+        """Rank 0 warns when the folder's free space cannot hold the checkpoints that training
+        from step ``start`` to ``last`` writes and keeps at once (space.py); else one info line."""
+        if self._sizes is None or rank() != 0:
+            return
+        cfg = self.config
+        elements, weights, state = self._sizes
+        saves = space.save_steps(start, last, cfg.interval, cfg.enable_first_step_checkpoint)
+        exported = elements * EXPORT_DTYPES[cfg.export_dtype].itemsize
+        last_bytes = exported if cfg.last_save_model_only else weights + state
+        if cfg.last_save_in_hf:
+            last_bytes += exported
+        existing = len(fs.complete_checkpoints(self.folder))
+        space.warn_if_short(self.folder, weights + state, saves, cfg.keep_latest_k, existing,
+                            last_bytes)
 
     # --- configuration ---------------------------------------------------------------------
     def _parse_exclude(self, raw: list[str] | str) -> list[str]:

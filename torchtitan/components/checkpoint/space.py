@@ -2,9 +2,11 @@
 
 * the folder must be creatable and writable (a probe file is written and removed by rank 0;
   every rank gets the same one-line error);
-* its free space is compared with an estimate of one checkpoint (the model's weights in their
-  dtype plus the optimizer's state, two tensors of the weights' size for Adam/AdamW): a
-  warning when it is short, since the first save would then fail with "no space left".
+* its free space is compared with what the run's saves will hold at once: an estimate of one
+  checkpoint (the model's weights in their dtype plus the optimizer's state, two tensors of
+  the weights' size for Adam/AdamW) times the checkpoints the run writes and keeps together
+  (``keep_latest_k``, and the newest is kept until the next one is complete). A warning names
+  the save that would fail with "no space left".
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint.common import ModelWrapper, agree, rank
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import byte_size, logger
 
 OPTIMIZER_COPIES = 2
 """Adam/AdamW keep two tensors (exp_avg, exp_avg_sq) per weight."""
@@ -43,23 +45,33 @@ def check_writable(folder: str) -> None:
     agree(error)
 
 
-def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES,
-                     state_itemsize: int | None = None) -> int:
-    """Estimated size of one full checkpoint of ``model`` (all ranks, all pipeline stages):
-    each weight plus ``optimizer_copies`` tensors of its shape, in ``state_itemsize`` bytes
-    per element (None: the weight's own, as torch's Adam keeps them)."""
-    mine: dict[str, int] = {}
+def checkpoint_sizes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES,
+                     state_itemsize: int | None = None) -> tuple[int, int, int]:
+    """(elements, weight bytes, optimizer-state bytes) of one full checkpoint of ``model``
+    (all ranks, all pipeline stages): each weight in its dtype plus ``optimizer_copies`` tensors
+    of its shape in ``state_itemsize`` bytes per element (None: the weight's own, as torch's
+    Adam keeps them). A collective when several ranks run."""
+    mine: dict[str, tuple[int, int, int]] = {}
     for part in model.model_parts:
         for name, p in part.named_parameters():
-            state = optimizer_copies * (state_itemsize or p.element_size())
-            mine[name] = p.numel() * (p.element_size() + state)  # DTensor: the global numel
+            n = p.numel()  # DTensor: the global numel
+            mine[name] = (n, n * p.element_size(),
+                          n * optimizer_copies * (state_itemsize or p.element_size()))
     merged: dict[str, Any] = dict(mine)
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         for d in everyone:
             merged.update(d or {})
-    return int(sum(merged.values()))
+    elements, weights, state = (sum(v[i] for v in merged.values()) for i in range(3))
+    return int(elements), int(weights), int(state)
+
+
+def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES,
+                     state_itemsize: int | None = None) -> int:
+    """Estimated size of one full checkpoint of ``model``: weights plus optimizer state."""
+    _, weights, state = checkpoint_sizes(model, optimizer_copies, state_itemsize)
+    return weights + state
 
 
 def optimizer_state_itemsize(optimizers: Any) -> int | None:
@@ -72,29 +84,81 @@ def optimizer_state_itemsize(optimizers: Any) -> int | None:
     return None
 
 
-def warn_if_short(folder: str, estimate: int) -> None:
-    """Rank 0: warn when ``folder``'s file system has less room than two checkpoints (the
-    newest one stays until the next is complete)."""
-    if rank() != 0:
+def save_steps(start: int, last: int, interval: int, first_step: bool = False) -> list[int]:
+    """The steps after ``start`` up to ``last`` that save: every ``interval``-th, step 1 when
+    ``first_step`` (``checkpoint.enable_first_step_checkpoint``), and the last."""
+    steps = set(range((start // interval + 1) * interval, last + 1, interval))
+    if first_step and start < 1 <= last:
+        steps.add(1)
+    if last > start:
+        steps.add(last)
+    return sorted(steps)
+
+
+def first_failing_save(free: int, sizes: list[int], keep_latest_k: int, existing: int) -> int | None:
+    """Index of the first of this run's saves (``sizes`` in bytes, in order) that would not fit
+    in ``free`` bytes, or None. With ``keep_latest_k`` = k > 0 a save is complete before the
+    checkpoints beyond k are deleted, so k + 1 coexist; ``existing`` complete checkpoints in the
+    folder count towards k (their bytes are not in ``free``); with k = 0 every save stays."""
+    window = len(sizes) if keep_latest_k <= 0 else max(1, keep_latest_k + 1 - existing)
+    held = 0
+    for i, size in enumerate(sizes):
+        held += size
+        if i >= window:
+            held -= sizes[i - window]
+        if held > free:
+            return i
+    return None
+
+
+def warn_if_short(folder: str, estimate: int, saves: list[int], keep_latest_k: int = 0,
+                  existing: int = 0, last_bytes: int | None = None) -> None:
+    """Rank 0: warn when ``folder``'s file system cannot hold the checkpoints this run writes
+    (at ``saves``, ``estimate`` bytes each, the last ``last_bytes`` when it holds only the
+    model) and keeps at once; otherwise one info line with the figures."""
+    if rank() != 0 or not saves:
         return
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         return
-    gib = 1024**3
-    if free < estimate:
-        logger.warning(
-            f"Checkpoint: {folder} has {free / gib:.2f} GiB free, less than one checkpoint "
-            f"(~{estimate / gib:.2f} GiB: weights + optimizer state); saves will fail with "
-            "'no space left' unless space is freed (older checkpoints are never touched)"
+    sizes = [estimate] * len(saves)
+    if last_bytes is not None:
+        sizes[-1] = last_bytes
+    failing = first_failing_save(free, sizes, keep_latest_k, existing)
+    kept = ("keeps them all (checkpoint.keep_latest_k=0)" if keep_latest_k <= 0
+            else f"keeps the latest {keep_latest_k} (checkpoint.keep_latest_k)")
+    count = f"{len(saves)} checkpoint{'s' if len(saves) > 1 else ''}"
+    if failing is None:
+        logger.info(
+            f"Checkpoint: one checkpoint is ~{byte_size(estimate)}; this run saves {count} "
+            f"and {kept}; {byte_size(free)} free in {folder}"
         )
-    elif free < 2 * estimate:
+        return
+    step = saves[failing]
+    if failing == 0:
         logger.warning(
-            f"Checkpoint: {folder} has {free / gib:.2f} GiB free, room for one checkpoint "
-            f"(~{estimate / gib:.2f} GiB) but not two: the second save will fail with 'no space "
-            "left', since a checkpoint is kept until the next one is complete"
+            f"Checkpoint: {folder} has {byte_size(free)} free, less than one checkpoint "
+            f"(~{byte_size(sizes[0])}: weights + optimizer state); the save at step {step} will "
+            "fail with 'no space left' unless space is freed (older checkpoints are never touched)"
+        )
+    elif keep_latest_k == 1 and existing == 0 and failing == 1:
+        logger.warning(
+            f"Checkpoint: {folder} has {byte_size(free)} free, room for one checkpoint "
+            f"(~{byte_size(estimate)}) but not two: the save at step {step} will fail with 'no "
+            "space left', since a checkpoint is kept until the next one is complete"
         )
     else:
-        logger.info(
-            f"Checkpoint: one checkpoint is ~{estimate / gib:.2f} GiB; {free / gib:.1f} GiB free in {folder}"
+        logger.warning(
+            f"Checkpoint: this run saves {count} of ~{byte_size(estimate)} (steps "
+            f"{_steps_text(saves)}) and {kept}, but {folder} has "
+            f"{byte_size(free)} free: the save at step {step} will fail with 'no space left' "
+            "(older checkpoints are never touched); free space, raise checkpoint.interval or "
+            "set checkpoint.keep_latest_k"
         )
+
+
+def _steps_text(saves: list[int]) -> str:
+    if len(saves) <= 4:
+        return ", ".join(map(str, saves))
+    return f"{saves[0]}, {saves[1]}, ..., {saves[-1]}"
