@@ -101,6 +101,53 @@ def test_the_trainer_refuses_before_allocating_the_weights(tmp_path, monkeypatch
     assert materialized == []
 
 
+def test_an_async_save_stages_weights_and_states_in_host_memory(monkeypatch, caplog):
+    """checkpoint.async_mode copies each rank's weights and AdamW states to host memory at every
+    save: on the CPU that copy counts in the start-up refusal, on a GPU it gets a warning."""
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.distributed.comm_mode.base import CommMode
+
+    with torch.device("meta"):
+        model = nn.Linear(1024, 1024, bias=False)  # 1 Mi parameters
+    assert host_memory.staged_checkpoint_bytes(model.parameters(), "float32") == 12 * 1024**2
+    assert host_memory.staged_checkpoint_bytes(model.parameters(), "bfloat16") == 8 * 1024**2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 20 * 1024**2)
+
+    cfg = JobConfig()
+    cfg.checkpoint.enable = True
+    CommMode(1).check_state_memory([model], cfg, "cpu", None)  # 16 MiB of training state fit
+    cfg.checkpoint.async_mode = "async"
+    with pytest.raises(ParallelismError) as err:
+        CommMode(1).check_state_memory([model], cfg, "cpu", None)
+    assert str(err.value) == (
+        "out of host memory before the first step: the weights, gradients and AdamW states, "
+        "with the copy checkpoint.async_mode stages at each save (12 MiB), need 28 MiB, and "
+        "this machine has 20 MiB available (free memory and swap); use --checkpoint.async_mode "
+        "disabled, or pick a smaller model.flavor, or shard the model over more machines or GPUs"
+    )
+    cfg.checkpoint.load_only = True  # nothing is saved
+    CommMode(1).check_state_memory([model], cfg, "cpu", None)
+
+    cfg.checkpoint.load_only = False
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 * 1024**2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        CommMode(1).check_state_memory([model], cfg, "cuda", None)  # GPU state is not host's
+    assert [r.getMessage() for r in caplog.records] == [
+        "Checkpoint: checkpoint.async_mode=async stages a host copy of the weights and optimizer "
+        "state at each save, 12 MiB for this rank, but this machine has 10 MiB available: the "
+        "first save is likely to be killed for memory; use --checkpoint.async_mode disabled (or "
+        "shard over more machines)"
+    ]
+    caplog.clear()
+    cfg.checkpoint.async_mode = "disabled"
+    with caplog.at_level("WARNING", logger="torchtitan"):
+        CommMode(1).check_state_memory([model], cfg, "cuda", None)
+    assert caplog.records == []
+
+
 def test_oom_kill_counter(tmp_path):
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("pgfault 10\noom_kill 3\n")

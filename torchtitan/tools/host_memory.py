@@ -8,6 +8,10 @@ for people:
 * before the weights are materialised, :func:`check_training_state_fits` adds up what the
   weights, their gradients and AdamW's two states will hold on the ranks of this machine, and
   refuses (exit 2) when that alone exceeds the memory the machine has left;
+* a run that saves asynchronously (``checkpoint.async_mode``) also stages a copy of each
+  rank's weights and optimizer state in host memory at every save: on the CPU that copy joins
+  the refusal above; on a GPU :func:`warn_if_staging_short` warns at start-up when the ranks of
+  this machine cannot stage theirs (the first save would be killed);
 * after a rank died of SIGKILL, :func:`killed_by_oom_killer` tells from the kernel's OOM-kill
   counter whether memory was the reason (``torchtitan.launch`` then says so).
 """
@@ -19,14 +23,14 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
-from torchtitan.tools.logging import byte_size
+from torchtitan.tools.logging import byte_size, logger
 
 GiB = 1024**3
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 __all__ = [
     "available_host_bytes", "check_training_state_fits", "killed_by_oom_killer",
-    "oom_kill_count", "training_state_bytes",
+    "oom_kill_count", "staged_checkpoint_bytes", "training_state_bytes", "warn_if_staging_short",
 ]
 
 
@@ -94,7 +98,8 @@ def available_host_bytes(
     return room if cgroup is None else min(room, cgroup)
 
 
-def training_state_bytes(parameters: Iterable[Any], state_dtype: str, param_itemsize: int | None = None) -> int:
+def training_state_bytes(parameters: Iterable[Any], state_dtype: str, param_itemsize: int | None = None,
+                         gradients: bool = True) -> int:
     """Bytes this rank's weights, gradients and AdamW states (exp_avg, exp_avg_sq) will hold:
     the local shard of each parameter (meta tensors are fine). ``param_itemsize`` overrides
     the parameters' element size (a model cast to bf16 after it is initialised)."""
@@ -105,37 +110,68 @@ def training_state_bytes(parameters: Iterable[Any], state_dtype: str, param_item
         local = p.to_local() if isinstance(p, DTensor) else p
         size = param_itemsize or local.element_size()
         state = 2 if state_dtype == "bfloat16" else size
-        total += local.numel() * (2 * size + 2 * state)
+        total += local.numel() * ((2 if gradients else 1) * size + 2 * state)
     return total
 
 
-def check_training_state_fits(need: int, optimizer_name: str) -> None:
-    """Raise ParallelismError when ``need`` bytes (this rank's training state) summed over the
-    ranks of this machine exceed what the machine has left. Ranks of a torchrun job compare
-    one sum (a collective over the default group), so they all agree."""
+def staged_checkpoint_bytes(parameters: Iterable[Any], state_dtype: str,
+                            param_itemsize: int | None = None) -> int:
+    """Bytes an asynchronous save stages in host memory for this rank: its weights and AdamW
+    states (no gradients)."""
+    return training_state_bytes(parameters, state_dtype, param_itemsize, gradients=False)
+
+
+def _this_machine(need: int) -> tuple[int, int, int | None]:
+    """(``need`` summed over the ranks of this machine, how many, the memory it has left).
+    A collective over the default group when a torchrun job has several local ranks."""
     import torch.distributed as dist
 
-    from torchtitan.distributed.parallel_dims import ParallelismError
-
     available = available_host_bytes()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    host_need, ranks = need, 1
-    if local_ranks > 1 and dist.is_initialized():
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 and dist.is_initialized():
         mine = (socket.gethostname(), need, available)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         here = [e for e in everyone if e[0] == mine[0]]
-        host_need, ranks = sum(e[1] for e in here), len(here)
         known = [e[2] for e in here if e[2] is not None]
-        available = min(known) if known else None
+        return sum(e[1] for e in here), len(here), (min(known) if known else None)
+    return need, 1, available
+
+
+def check_training_state_fits(need: int, optimizer_name: str, staged: int = 0) -> None:
+    """Raise ParallelismError when ``need`` bytes (this rank's training state, of which
+    ``staged`` for an asynchronous save's copy) summed over the ranks of this machine exceed
+    what the machine has left. Ranks of a torchrun job compare one sum, so they all agree."""
+    from torchtitan.distributed.parallel_dims import ParallelismError
+
+    host_need, ranks, available = _this_machine(need)
     if available is None or host_need <= available:
         return
     whose = f" of the {ranks} ranks on this machine" if ranks > 1 else ""
+    what = f"the weights, gradients and {optimizer_name} states{whose} alone need"
+    fix = ""
+    if staged:
+        what = (f"the weights, gradients and {optimizer_name} states{whose}, with the copy "
+                f"checkpoint.async_mode stages at each save ({byte_size(staged * ranks)}), need")
+        fix = "use --checkpoint.async_mode disabled, or "
     raise ParallelismError(
-        f"out of host memory before the first step: the weights, gradients and {optimizer_name} "
-        f"states{whose} alone need {byte_size(host_need)}, and this machine has "
-        f"{byte_size(available)} available (free memory and swap); pick a smaller "
-        "model.flavor, or shard the model over more machines or GPUs"
+        f"out of host memory before the first step: {what} {byte_size(host_need)}, and this "
+        f"machine has {byte_size(available)} available (free memory and swap); {fix}pick a "
+        "smaller model.flavor, or shard the model over more machines or GPUs"
+    )
+
+
+def warn_if_staging_short(staged: int, async_mode: str) -> None:
+    """Warn (from each machine's local rank 0) when the host copies an asynchronous save stages
+    for the GPU ranks of this machine (``staged`` bytes for this rank) exceed its free memory."""
+    host_need, ranks, available = _this_machine(staged)
+    if available is None or host_need <= available or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    whose = f"the {ranks} ranks on this machine" if ranks > 1 else "this rank"
+    logger.warning(
+        f"Checkpoint: checkpoint.async_mode={async_mode} stages a host copy of the weights and "
+        f"optimizer state at each save, {byte_size(host_need)} for {whose}, but this machine "
+        f"has {byte_size(available)} available: the first save is likely to be killed for "
+        "memory; use --checkpoint.async_mode disabled (or shard over more machines)"
     )
 
 

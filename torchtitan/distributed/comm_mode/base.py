@@ -49,17 +49,23 @@ class CommMode:
     def check_state_memory(self, model_parts: list[Any], job_config: JobConfig,
                            device_type: str, param_itemsize: int | None) -> None:
         """Refuse in one line (before the weights are materialised) a CPU run whose weights,
-        gradients and optimizer states alone exceed this machine's free memory: the kernel
-        would kill a rank without a word. A GPU run's OOM names itself."""
-        if device_type != "cpu" or not self.computes_values:
+        gradients and optimizer states alone (with an asynchronous save's staged copy) exceed
+        this machine's free memory: the kernel would kill a rank without a word. A GPU run's
+        OOM names itself; its asynchronous saves' host copies get a warning when short."""
+        if not self.computes_values:
             return
-        from torchtitan.tools.host_memory import check_training_state_fits, training_state_bytes
+        from torchtitan.tools import host_memory
 
-        opt = job_config.optimizer
-        need = training_state_bytes(
-            (p for part in model_parts for p in part.parameters()), opt.state_dtype, param_itemsize
-        )
-        check_training_state_fits(need, opt.name)
+        opt, ckpt = job_config.optimizer, job_config.checkpoint
+        params = [p for part in model_parts for p in part.parameters()]
+        staged = 0
+        if ckpt.enable and not ckpt.load_only and ckpt.async_mode != "disabled":
+            staged = host_memory.staged_checkpoint_bytes(params, opt.state_dtype, param_itemsize)
+        if device_type == "cpu":
+            need = host_memory.training_state_bytes(params, opt.state_dtype, param_itemsize)
+            host_memory.check_training_state_fits(need + staged, opt.name, staged)
+        elif staged:
+            host_memory.warn_if_staging_short(staged, ckpt.async_mode)
 
     # --- data -----------------------------------------------------------------------------
     def build_tokenizer(self, build: Callable[[Any], Any], model_config: Any) -> Any:
