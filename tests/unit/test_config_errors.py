@@ -51,6 +51,26 @@ CASES = [
         ["unknown key 'steps' in [parallelism]", "training.steps"],
     ),
     (
+        "toml-choice-in-another-case",
+        "[activation_checkpoint]\nmode = \"Selective\"\n",
+        ["--job.config_file", "{toml}"],
+        ["activation_checkpoint.mode = 'Selective' is not a valid value (expected one of 'none',",
+         "; did you mean 'selective'?"],
+    ),
+    (
+        "flag-choice-with-a-typo",
+        None,
+        ["--training.loss_implementation", "chunk"],
+        ["--training.loss_implementation: invalid value 'chunk' (expected one of 'auto', "
+         "'logits', 'chunked'); did you mean 'chunked'?"],
+    ),
+    (
+        "toml-choice-of-the-wrong-type",
+        "[training]\nloss_implementation = 3\n",
+        ["--job.config_file", "{toml}"],
+        ["training.loss_implementation = 3 has the wrong type (expected one of 'auto'"],
+    ),
+    (
         "root-level-key",
         "steps = 3\n",
         ["--job.config_file", "{toml}"],

@@ -14,7 +14,7 @@ from typing import Any
 
 import torchtitan.config.legacy as legacy
 from torchtitan.config.errors import ConfigError, suggest
-from torchtitan.config.fields import Field, get_field, replace_field, type_name
+from torchtitan.config.fields import Field, choice_hint, get_field, replace_field, type_name
 from torchtitan.config.values import from_cli
 
 __all__ = ["apply_ops", "looks_like_flag", "parse_flags", "peek", "take_manager_flags"]
@@ -132,6 +132,7 @@ def _convert(text: str, field: Field, flag: str) -> Any:
     except ValueError as exc:
         raise ConfigError(
             f"{flag}: invalid value {text!r} (expected {type_name(field.tp)})"
+            f"{choice_hint(text, field.tp)}"
         ) from exc
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "leaf_fields",
     "lookup_class",
     "replace_field",
+    "choice_hint",
     "split_optional",
     "type_name",
 ]
@@ -70,6 +71,20 @@ def type_name(tp: Any) -> str:
     else:
         name = getattr(inner, "__name__", str(inner))
     return f"{name} or None" if optional else name
+
+
+def choice_hint(value: Any, tp: Any) -> str:
+    """``; did you mean 'selective'?`` for a string that is none of a Literal field's choices
+    but close to one (another case, a typo); else ""."""
+    from torchtitan.config.errors import suggest
+
+    inner, _ = split_optional(tp)
+    if typing.get_origin(inner) is not Literal or not isinstance(value, str):
+        return ""
+    choices = [c for c in typing.get_args(inner) if isinstance(c, str)]
+    same = [c for c in choices if c.lower() == value.strip().lower()]
+    guess = same[0] if same else suggest(value, choices)
+    return f"; did you mean {guess!r}?" if guess else ""
 
 
 @cache

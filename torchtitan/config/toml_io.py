@@ -11,11 +11,19 @@ import dataclasses
 import json
 import math
 import sys
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torchtitan.config.errors import ConfigError, suggest
-from torchtitan.config.fields import hints, leaf_fields, lookup_class, type_name
+from torchtitan.config.fields import (
+    choice_hint,
+    hints,
+    leaf_fields,
+    lookup_class,
+    split_optional,
+    type_name,
+)
 from torchtitan.config.values import from_toml
 
 if sys.version_info >= (3, 11):
@@ -90,8 +98,11 @@ def build(cls: type, data: dict, where: str, root: type | None = None, prefix: s
             raise ConfigError(f"{where}: [{key}] is a table, but {key} expects {type_name(tp)}")
         ok, converted = from_toml(value, tp)
         if not ok:
+            choice = isinstance(value, str) and typing.get_origin(split_optional(tp)[0]) is Literal
+            problem = "is not a valid value" if choice else "has the wrong type"
             raise ConfigError(
-                f"{where}: {key} = {value!r} has the wrong type (expected {type_name(tp)})"
+                f"{where}: {key} = {value!r} {problem} (expected {type_name(tp)})"
+                f"{choice_hint(value, tp)}"
             )
         kwargs[name] = converted
     try:
