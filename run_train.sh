@@ -107,6 +107,10 @@ export NGPU LOG_RANK
 if [[ -n "${CONFIG_FILE:-}" && ( -n "${MODULE:-}" || -n "${CONFIG:-}" ) ]]; then
     die "set CONFIG_FILE or MODULE+CONFIG, not both (one would be ignored); got CONFIG_FILE='$CONFIG_FILE' MODULE='${MODULE:-}' CONFIG='${CONFIG:-}'"
 elif [[ -n "${CONFIG_FILE:-}" ]]; then
+    if [[ -d "$CONFIG_FILE" ]]; then
+        example=$(find "$CONFIG_FILE" -maxdepth 1 -name '*.toml' -print 2>/dev/null | sort | head -n 1)
+        die "CONFIG_FILE '$CONFIG_FILE' is a folder, not a TOML file${example:+; give one of its .toml files, e.g. CONFIG_FILE=$example}"
+    fi
     [[ -f "$CONFIG_FILE" ]] || die "CONFIG_FILE '$CONFIG_FILE' does not exist (run from the repository root, or give an absolute path)"
     config_args=(--job.config_file "$CONFIG_FILE")
 elif [[ -n "${MODULE:-}" && -n "${CONFIG:-}" ]]; then

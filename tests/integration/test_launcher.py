@@ -257,6 +257,9 @@ def test_train_file_path_and_exit_code_propagate(tmp_path):
             {"CONFIG_FILE": "./train_configs/nope.toml"},
             "CONFIG_FILE './train_configs/nope.toml' does not exist",
         ),
+        # Before: "does not exist", for a folder that does.
+        ({"CONFIG_FILE": "./train_configs"}, "CONFIG_FILE './train_configs' is a folder, not a "
+         "TOML file; give one of its .toml files, e.g. CONFIG_FILE=./train_configs/debug_model.toml"),
         ({"NGPU": "two"}, "NGPU must be a positive integer, got 'two'"),
         ({"CONFIG_FILE": "./train_configs/debug_model.toml", "MODULE": "llama3",
           "CONFIG": "llama3_8b"}, "set CONFIG_FILE or MODULE+CONFIG, not both"),
