@@ -88,3 +88,20 @@ def test_comm_modes_take_initial_load_path_off_the_manager(tmp_path):
     with pytest.raises(ValueError, match="^COMM_MODE=local_tensor loads DCP checkpoints only, not "
                        "checkpoint.initial_load_in_hf; convert the HF weights"):
         COMM_MODES["local_tensor"](4).prepare(cfg, _dims(4))
+
+
+def test_an_hf_folder_without_initial_load_in_hf_says_to_add_it(tmp_path):
+    """Pointing initial_load_path at HF weights is a common slip: the error names the flag."""
+    from torchtitan.components.checkpoint import CheckpointError
+
+    hf = tmp_path / "Llama-3.1-8B"
+    hf.mkdir()
+    (hf / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 8)
+    (hf / "config.json").write_text("{}")
+    manager = _manager(nn.Linear(4, 3), tmp_path / "run", initial_load_path=str(hf))
+    with pytest.raises(CheckpointError) as err:
+        manager.load()
+    assert str(err.value) == (
+        f"checkpoint.initial_load_path={hf} holds HF *.safetensors weights, not a DCP "
+        "checkpoint: add --checkpoint.initial_load_in_hf to load them"
+    )

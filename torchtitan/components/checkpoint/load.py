@@ -214,6 +214,11 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
         entries = fs.scan_checkpoints(path)
         inner = [e for e in entries if e.complete] or [e for e in entries if e.unverified]
         if not inner:
+            if os.path.isdir(path) and any(n.endswith(".safetensors") for n in os.listdir(path)):
+                raise CheckpointError(
+                    f"checkpoint.initial_load_path={path} holds HF *.safetensors weights, not a "
+                    "DCP checkpoint: add --checkpoint.initial_load_in_hf to load them"
+                )
             raise CheckpointError(
                 f"checkpoint.initial_load_path={path} is not a complete DCP checkpoint "
                 f"({reason_text}) and holds no complete step-N folder"
