@@ -105,3 +105,23 @@ def test_an_hf_folder_without_initial_load_in_hf_says_to_add_it(tmp_path):
         f"checkpoint.initial_load_path={hf} holds HF *.safetensors weights, not a DCP "
         "checkpoint: add --checkpoint.initial_load_in_hf to load them"
     )
+
+
+def test_a_file_as_initial_load_path_names_its_folder(tmp_path):
+    from torchtitan.components.checkpoint import CheckpointError
+
+    shard = tmp_path / "hf" / "model.safetensors"
+    shard.parent.mkdir()
+    shard.write_bytes(b"\0" * 8)
+    for hf, hint in ((False, " with --checkpoint.initial_load_in_hf"), (True, "")):
+        manager = CheckpointManager(
+            None, [nn.Linear(4, 3)], None, None, {},
+            Checkpoint(initial_load_path=str(shard), initial_load_in_hf=hf),
+            str(tmp_path / f"run{hf}"), sd_adapter=object(),  # never reached: the path is refused
+        )
+        with pytest.raises(CheckpointError) as err:
+            manager.load()
+        assert str(err.value) == (
+            f"checkpoint.initial_load_path={shard} is a file; give the folder that holds the "
+            f"checkpoint ({shard.parent}){hint}"
+        )

@@ -199,6 +199,14 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
         raise CheckpointError(
             f"checkpoint.initial_load_path={path} does not exist; fix the path or unset it"
         )
+    if os.path.isfile(path):
+        folder_of = os.path.dirname(os.path.abspath(path))
+        hf_hint = (" with --checkpoint.initial_load_in_hf" if path.endswith(".safetensors")
+                   and not cfg.initial_load_in_hf else "")
+        raise CheckpointError(
+            f"checkpoint.initial_load_path={path} is a file; give the folder that holds the "
+            f"checkpoint ({folder_of}){hf_hint}"
+        )
     if cfg.initial_load_in_hf:
         check_hf_folder(path)
         return LoadPlan(
