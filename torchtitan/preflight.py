@@ -178,7 +178,7 @@ def _check_checkpoint(cfg: JobConfig, on_this_machine: bool) -> None:
         OPTIMIZER,
         TRAIN_STATE,
     )
-    from torchtitan.components.checkpoint.load import plan_load
+    from torchtitan.components.checkpoint.load_plan import plan_load
     from torchtitan.components.checkpoint.manager import parse_exclude
 
     ck = cfg.checkpoint

@@ -18,7 +18,8 @@ from torchtitan.components.checkpoint.common import (
     ModelWrapper,
 )
 from torchtitan.components.checkpoint.hooks import HOOKS_ENV, SaveHooks
-from torchtitan.components.checkpoint.load import LoadPlan, check_model_shapes
+from torchtitan.components.checkpoint.load import check_model_shapes
+from torchtitan.components.checkpoint.load_plan import LoadPlan
 from torchtitan.components.checkpoint.manager import CheckpointManager
 from torchtitan.components.checkpoint.save import InFlightSave
 

@@ -34,7 +34,8 @@ from torchtitan.components.checkpoint.common import (
 )
 from torchtitan.components.checkpoint.guard import SaveGuard
 from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
-from torchtitan.components.checkpoint.load import LoadPlan, load_dcp, plan_load, refuse_fresh_start
+from torchtitan.components.checkpoint.load import load_dcp
+from torchtitan.components.checkpoint.load_plan import LoadPlan, plan_load, refuse_fresh_start
 from torchtitan.components.checkpoint.lock import FolderLock
 from torchtitan.components.checkpoint.messages import seed_flags, setup_line
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave

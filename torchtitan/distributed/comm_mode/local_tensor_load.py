@@ -75,10 +75,10 @@ def load_initial_weights(
 
     from torchtitan.components.checkpoint.load import (
         check_model_shapes,
-        decide_initial_load,
         load_dcp_model_tensors,
         tensor_shapes,
     )
+    from torchtitan.components.checkpoint.load_plan import decide_initial_load
     with maybe_disable_local_tensor_mode():
         plan = decide_initial_load(cfg)
         assert plan is not None  # take_initial_load returned settings with a path
