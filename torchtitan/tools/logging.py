@@ -65,8 +65,8 @@ def console_wants_color() -> bool:
 
 
 def byte_size(n: float) -> str:
-    """``n`` bytes for a log line: ``1.5 GiB``, ``12 MiB``, ``3 KiB``."""
-    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    """``n`` bytes for a log line: ``1051.3 GiB``, ``1.5 GiB``, ``12 MiB``, ``3 KiB``."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= scale:
-            return f"{n / scale:.{1 if unit in ('TiB', 'GiB') else 0}f} {unit}"
+            return f"{n / scale:.{1 if unit == 'GiB' else 0}f} {unit}"
     return f"{int(n)} bytes"
