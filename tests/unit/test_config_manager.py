@@ -99,6 +99,20 @@ def test_last_repeated_flag_wins():
     assert parse("--training.steps", "3", "--training.steps", "4").training.steps == 4
 
 
+def test_a_second_config_file_or_config_name_warns(caplog):
+    """run_train.sh passes CONFIG_FILE as --job.config_file before the user's flags: a second
+    one wins, with a warning, as every repeated flag does."""
+    debug = str(REPO / "train_configs" / "debug_model.toml")
+    qwen = str(REPO / "train_configs" / "qwen3_debugmodel.toml")
+    with caplog.at_level("WARNING"):
+        cfg = ConfigManager().parse_args(["--job.config_file", debug, f"--job.config_file={qwen}"])
+    assert cfg.model.name == "qwen3"
+    assert [m for m in caplog.messages if "more than once" in m] == [
+        f"--job.config_file is set more than once on the command line (--job.config_file "
+        f"{debug}, then --job.config_file {qwen}); the last one is used: {qwen}"
+    ]
+
+
 def test_a_key_set_twice_to_different_values_warns_once(caplog):
     with caplog.at_level("WARNING"):
         cfg = parse(

@@ -37,10 +37,13 @@ def looks_like_flag(token: str) -> bool:
 
 
 def take_manager_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Pull --job.config_file, --module and --config out of argv."""
+    """Pull --job.config_file, --module and --config out of argv (the last of each wins, with
+    one warning when they differ, as for every flag)."""
     wanted = {"job.config_file": "config_file", "module": "module", "config": "config"}
     rest: list[str] = []
     found: dict[str, str] = {}
+    ops: list[Op] = []
+    sources: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -52,9 +55,12 @@ def take_manager_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                 value = argv[i + 1]
                 i += 1
             found[wanted[name]] = value
+            ops.append(("set", name, value))
+            sources.append(token.partition("=")[0])
         else:
             rest.append(token)
         i += 1
+    _warn_repeated(ops, sources)
     return rest, found
 
 
