@@ -185,12 +185,12 @@ def test_start_up_names_the_save_that_would_not_fit(tmp_path, monkeypatch, caplo
     save in the export dtype; the warning names the first save that runs out of room."""
     from collections import namedtuple
 
-    from torchtitan.components.checkpoint.space import checkpoint_bytes
+    from torchtitan.components.checkpoint.space import checkpoint_sizes
 
     usage = namedtuple("usage", "total used free")
 
     def warnings_for(rig: Rig, start: int, free: float) -> list[str]:
-        estimate = checkpoint_bytes(rig.ckpt.model)
+        estimate = sum(checkpoint_sizes(rig.ckpt.model)[1:])
         monkeypatch.setattr(shutil, "disk_usage",
                             lambda path: usage(10**12, 0, int(free * estimate)))
         caplog.clear()

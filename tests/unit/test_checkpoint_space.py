@@ -9,7 +9,7 @@ from torch import nn
 from torchtitan.components.adamw_bf16_state import AdamBF16State
 from torchtitan.components.checkpoint.common import ModelWrapper
 from torchtitan.components.checkpoint.space import (
-    checkpoint_bytes,
+    checkpoint_sizes,
     first_failing_save,
     optimizer_state_itemsize,
     save_steps,
@@ -17,6 +17,11 @@ from torchtitan.components.checkpoint.space import (
 )
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.job_config import Optimizer
+
+
+def checkpoint_bytes(model: ModelWrapper, **kw) -> int:
+    _, weights, state = checkpoint_sizes(model, **kw)
+    return weights + state
 
 
 def _model() -> nn.Module:
@@ -29,6 +34,7 @@ def test_float32_moments_are_two_weight_sized_copies():
     opts = OptimizersContainer([model], Optimizer(implementation="for-loop"))
     assert optimizer_state_itemsize(opts) is None
     assert checkpoint_bytes(ModelWrapper([model])) == 3 * weights
+    assert checkpoint_sizes(ModelWrapper([model])) == (8 * 16 + 16 * 4, weights, 2 * weights)
 
 
 def test_bfloat16_moments_count_two_bytes_each():

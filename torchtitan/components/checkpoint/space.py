@@ -67,13 +67,6 @@ def checkpoint_sizes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPI
     return int(elements), int(weights), int(state)
 
 
-def checkpoint_bytes(model: ModelWrapper, optimizer_copies: int = OPTIMIZER_COPIES,
-                     state_itemsize: int | None = None) -> int:
-    """Estimated size of one full checkpoint of ``model``: weights plus optimizer state."""
-    _, weights, state = checkpoint_sizes(model, optimizer_copies, state_itemsize)
-    return weights + state
-
-
 def optimizer_state_itemsize(optimizers: Any) -> int | None:
     """Bytes per element of the optimizers' moments when they are not the weights' dtype
     (``optimizer.state_dtype``), else None."""
