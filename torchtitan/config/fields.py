@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 
 __all__ = [
     "Field",
+    "choice_hint",
     "field_default",
     "get_field",
     "hints",
@@ -24,7 +25,6 @@ __all__ = [
     "leaf_fields",
     "lookup_class",
     "replace_field",
-    "choice_hint",
     "split_optional",
     "type_name",
 ]
