@@ -7,9 +7,9 @@ one line and exit 2; a resume at another random layout must load the checkpoint 
 Slow, not part of CI. Each trial draws a model (the debug Llama 3 tiny, Llama 2, Qwen3, Qwen3
 MoE, DeepSeek-V3, gpt-oss), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule)
 / CP / replicate, expert parallel and expert TP (any divisor of tp) for MoE models, compile
-(aot_eager or inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), bf16 mixed
-precision and gradient accumulation, and runs 2 steps through ``./run_train.sh`` with a
-checkpoint every step. When that trains, a second layout of the same model resumes it to step 3
+(aot_eager or inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), the
+chunked loss, bfloat16 optimizer state, async checkpoints, bf16 mixed precision and gradient
+accumulation, and runs 2 steps through ``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same model resumes it to step 3
 (redrawn while it is refused as a user error). Verdicts:
 
 * ``ok``: exit 0, steps logged (and, for a resume, "Checkpoint: loaded");
@@ -95,6 +95,12 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
             flags += ["--model.use_flex_attn"]
     if rng.random() < 0.2:
         flags += ["--model.converters", "float8", "--float8.emulate"]
+    if rng.random() < 0.25:  # the loss fused with the output projection, 48 tokens at a time
+        flags += ["--training.loss_implementation", "chunked", "--training.loss_chunk_size", "48"]
+    if rng.random() < 0.15:
+        flags += ["--optimizer.state_dtype", "bfloat16"]
+    if rng.random() < 0.15:
+        flags += ["--checkpoint.async_mode", "async"]
     if rng.random() < 0.25:  # FSDP's bf16 policy, or autocast on layouts without FSDP
         flags += ["--training.mixed_precision_param", "bfloat16"]
     if rng.random() < 0.2:  # two microbatches per step

@@ -6,7 +6,8 @@
 Slow, not part of CI; the numerical companion of ``scripts/layout_sweep.py`` (which checks
 that random layouts start, train and resume). Each trial draws a model and a layout the same
 way (TP, PP with a schedule, CP, replicate, EP and expert TP for MoE models, compile, AC,
-document masking, emulated float8, gradient accumulation), then runs it and its reference
+document masking, emulated float8, the chunked loss, bfloat16 optimizer state, gradient
+accumulation), then runs it and its reference
 through ``scripts/loss_compare.py`` from one seed checkpoint with ``--debug.deterministic``:
 the reference keeps every feature and the data-parallel degree (so both see the same
 batches) and drops TP / PP / CP / EP. A layout refused as a user error is redrawn. Verdicts:
@@ -54,7 +55,8 @@ loss_compare = _load("loss_compare")
 # Parity is checked in fp32 (the debug configs' mixed_precision_param): in bf16, layouts with
 # FSDP (its mixed-precision policy) and without (autocast) round differently by design.
 DROPPED = ("--training.steps", "--metrics.log_freq", "--checkpoint.enable",
-           "--checkpoint.interval", "--debug.seed", "--training.mixed_precision_param")
+           "--checkpoint.interval", "--checkpoint.async_mode", "--debug.seed",
+           "--training.mixed_precision_param")
 
 
 def split_flags(flags: list[str]) -> tuple[list[str], list[str], int]:
