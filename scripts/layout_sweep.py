@@ -8,9 +8,10 @@ Slow, not part of CI. Each trial draws a model (the debug Llama 3 tiny, Llama 2,
 MoE, DeepSeek-V3, gpt-oss), NGPU in {1, 2, 4}, degrees for TP (up to 4) / PP (and a schedule)
 / CP / replicate, expert parallel and expert TP (any divisor of tp) for MoE models, compile
 (aot_eager or inductor), AC, document masking (SDPA or FlexAttention), float8 (emulated), the
-chunked loss, bfloat16 optimizer state, async checkpoints, bf16 mixed precision and gradient
-accumulation, and runs 2 steps through ``./run_train.sh`` with a checkpoint every step. When that trains, a second layout of the same model resumes it to step 3
-(redrawn while it is refused as a user error). Verdicts:
+chunked loss, bfloat16 optimizer state, async checkpoints, bf16 mixed precision (with weight
+copies on one rank) and gradient accumulation, and runs 2 steps through ``./run_train.sh``
+with a checkpoint every step. When that trains, a second layout of the same model resumes it
+to step 3 (redrawn while it is refused as a user error). Verdicts:
 
 * ``ok``: exit 0, steps logged (and, for a resume, "Checkpoint: loaded");
 * ``user-error``: exit 2 with an ``error:`` line at the start of a line and no traceback;
@@ -101,11 +102,15 @@ def draw_layout(rng: random.Random, extra: list[str], moe: bool, steps: int,
         flags += ["--optimizer.state_dtype", "bfloat16"]
     if rng.random() < 0.15:
         flags += ["--checkpoint.async_mode", "async"]
-    if rng.random() < 0.25:  # FSDP's bf16 policy, or autocast on layouts without FSDP
+    bf16 = rng.random() < 0.25
+    if bf16:  # FSDP's bf16 policy, or autocast on layouts without FSDP
         flags += ["--training.mixed_precision_param", "bfloat16"]
-    if rng.random() < 0.2:  # two microbatches per step
+    accumulate = rng.random() < 0.2
+    if accumulate:  # two microbatches per step
         dp = left * degrees["data_parallel_replicate"]
         flags += ["--training.global_batch_size", str(2 * local_batch * dp)]
+    if ngpu == 1 and bf16 and not accumulate and rng.random() < 0.5:  # bf16 weight copies
+        flags += ["--training.weight_copies", "on"]
     return ngpu, flags
 
 
