@@ -9,7 +9,6 @@ the same line.
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from torchtitan.components.converters import check_converters
 from torchtitan.components.fault_tolerance.layout import data_layout
 from torchtitan.components.optimizer_in_backward import check_early_step
 from torchtitan.components.weight_copies import check_weight_copies
+from torchtitan.config.custom import ModuleExited, import_user_module
 from torchtitan.config.job_config import Experimental, JobConfig, Training, Validation
 from torchtitan.config.planned import reject_planned_settings
 from torchtitan.distributed.compile import (
@@ -74,7 +74,9 @@ def import_custom_module(experimental: Experimental) -> None:
     if not name:
         return
     try:
-        importlib.import_module(name)
+        import_user_module("experimental.custom_import", name)
+    except ModuleExited as err:
+        raise ImportError(str(err)) from None
     except ModuleNotFoundError as err:
         if err.name is not None and f"{name}.".startswith(f"{err.name}."):
             # the module itself (or a package on its path) is missing: the setting's fault

@@ -50,33 +50,70 @@ def test_bfloat16_moments_count_two_bytes_each():
 
 
 def test_save_steps_are_the_interval_the_first_step_and_the_last():
-    assert save_steps(0, 10, 4) == [4, 8, 10]
-    assert save_steps(0, 8, 4) == [4, 8]
-    assert save_steps(0, 3, 1, first_step=True) == [1, 2, 3]
-    assert save_steps(0, 10, 100, first_step=True) == [1, 10]
-    assert save_steps(5, 12, 4) == [8, 12]  # resumed at step 5
-    assert save_steps(8, 8, 4) == []  # nothing left to train
+    assert list(save_steps(0, 10, 4)) == [4, 8, 10]
+    assert list(save_steps(0, 8, 4)) == [4, 8]
+    assert list(save_steps(0, 3, 1, first_step=True)) == [1, 2, 3]
+    assert list(save_steps(0, 10, 100, first_step=True)) == [1, 10]
+    assert list(save_steps(5, 12, 4)) == [8, 12]  # resumed at step 5
+    assert list(save_steps(8, 8, 4)) == []  # nothing left to train
     assert len(save_steps(0, 10**6, 500)) == 2000
+    assert list(save_steps(0, 4, 1, first_step=True)) == [1, 2, 3, 4]  # step 1 once
+    assert list(save_steps(3, 7, 2)[::2]) == [4, 7]
+
+
+def test_a_run_of_billions_of_steps_is_counted_without_listing_them():
+    """``--training.steps 100000000000 --checkpoint.interval 1`` once hung the start-up
+    building a set of every save step (and ran the host out of memory)."""
+    saves = save_steps(0, 10**11, 1, first_step=True)
+    assert len(saves) == 10**11 and saves[0] == 1 and saves[-1] == 10**11 and saves[5] == 6
+    gib = 1024**3
+    assert first_failing_save(10 * gib, len(saves), gib, gib, 0, 0) == 10
+    assert first_failing_save(10 * gib, len(saves), gib, gib, 9, 0) is None
+
+
+def _simulated(free, sizes, keep_latest_k, existing):
+    window = len(sizes) if keep_latest_k <= 0 else max(1, keep_latest_k + 1 - existing)
+    held = 0
+    for i, size in enumerate(sizes):
+        held += size - (sizes[i - window] if i >= window else 0)
+        if held > free:
+            return i
+    return None
+
+
+def test_the_counted_first_failing_save_is_the_simulated_one():
+    for count in range(1, 7):
+        for size, last in ((4, 4), (4, 1), (4, 9), (0, 3)):
+            sizes = [size] * (count - 1) + [last]
+            for free in range(0, 30):
+                for k in range(0, 5):
+                    for existing in range(0, 3):
+                        assert first_failing_save(free, count, size, last, k, existing) == \
+                            _simulated(free, sizes, k, existing), (count, size, last, free, k)
+
+
+def _uniform(sizes):
+    return len(sizes), sizes[0], sizes[-1]
 
 
 def test_the_first_save_that_does_not_fit():
     gib = 1024**3
     sizes = [gib] * 5
     # keep all: every save stays
-    assert first_failing_save(5 * gib, sizes, keep_latest_k=0, existing=0) is None
-    assert first_failing_save(int(2.5 * gib), sizes, keep_latest_k=0, existing=0) == 2
+    assert first_failing_save(5 * gib, *_uniform(sizes), keep_latest_k=0, existing=0) is None
+    assert first_failing_save(int(2.5 * gib), *_uniform(sizes), keep_latest_k=0, existing=0) == 2
     # keep the latest k: k + 1 at once (the newest stays until the next is complete)
-    assert first_failing_save(2 * gib, sizes, keep_latest_k=1, existing=0) is None
-    assert first_failing_save(int(1.5 * gib), sizes, keep_latest_k=1, existing=0) == 1
-    assert first_failing_save(3 * gib, sizes, keep_latest_k=3, existing=0) == 3
+    assert first_failing_save(2 * gib, *_uniform(sizes), keep_latest_k=1, existing=0) is None
+    assert first_failing_save(int(1.5 * gib), *_uniform(sizes), keep_latest_k=1, existing=0) == 1
+    assert first_failing_save(3 * gib, *_uniform(sizes), keep_latest_k=3, existing=0) == 3
     # checkpoints already in the folder count towards k and get deleted as new ones come
-    assert first_failing_save(gib, sizes, keep_latest_k=2, existing=3) is None
-    assert first_failing_save(3 * gib, sizes, keep_latest_k=3, existing=1) is None
-    assert first_failing_save(2 * gib, sizes, keep_latest_k=3, existing=1) == 2
-    assert first_failing_save(gib, sizes, keep_latest_k=3, existing=1) == 1
+    assert first_failing_save(gib, *_uniform(sizes), keep_latest_k=2, existing=3) is None
+    assert first_failing_save(3 * gib, *_uniform(sizes), keep_latest_k=3, existing=1) is None
+    assert first_failing_save(2 * gib, *_uniform(sizes), keep_latest_k=3, existing=1) == 2
+    assert first_failing_save(gib, *_uniform(sizes), keep_latest_k=3, existing=1) == 1
     # a small last save (model only) fits where a full one would not
-    assert first_failing_save(3 * gib, [gib, gib, gib // 4], keep_latest_k=0, existing=0) is None
-    assert first_failing_save(int(0.5 * gib), [gib], keep_latest_k=0, existing=0) == 0
+    assert first_failing_save(3 * gib, *_uniform([gib, gib, gib // 4]), keep_latest_k=0, existing=0) is None
+    assert first_failing_save(int(0.5 * gib), *_uniform([gib]), keep_latest_k=0, existing=0) == 0
 
 
 def test_warnings_name_the_save_that_would_fail(tmp_path, monkeypatch, caplog):

@@ -45,8 +45,8 @@ def read_toml(path_text: str) -> dict:
     if path.is_dir():
         raise ConfigError(f"config file {path_text} is a directory, expected a .toml file")
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        # utf-8-sig: a byte-order mark, which some Windows editors write, is not a TOML error
+        return tomllib.loads(path.read_bytes().decode("utf-8-sig"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path_text}: invalid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:

@@ -112,6 +112,8 @@ CHECKS: dict[str, Check] = {
 
 
 _FLOAT_KEYS = [key for key, f in leaf_fields(JobConfig).items() if split_optional(f.tp)[0] is float]
+_INT_KEYS = [key for key, f in leaf_fields(JobConfig).items() if split_optional(f.tp)[0] is int]
+_INT64 = 2**63
 
 
 def unknown_rule_keys(keys: Iterable[str], cls: type = JobConfig) -> list[str]:
@@ -127,6 +129,10 @@ def validate(cfg: Any) -> None:
         bad = isinstance(value, float) and math.isnan(value)
         if bad or not ok(value):
             raise ConfigError(f"{key} {msg}, got {value!r}")
+    for key in _INT_KEYS:  # TOML and the CLI take any integer; tensors, counters and seeds do not
+        value = get_field(cfg, key)
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            raise ConfigError(f"{key} {value} does not fit in a 64-bit integer (at most {_INT64 - 1})")
     for key in _FLOAT_KEYS:  # inf passes a range rule (lr >= 0) but trains nothing sensible
         value = get_field(cfg, key)
         if isinstance(value, float) and not math.isfinite(value):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -77,34 +78,59 @@ def optimizer_state_itemsize(optimizers: Any) -> int | None:
     return None
 
 
-def save_steps(start: int, last: int, interval: int, first_step: bool = False) -> list[int]:
+class SaveSteps(Sequence[int]):
+    """The steps a run saves at, in order, without listing them (a run may have billions)."""
+
+    def __init__(self, first: bool, every: range, last: int | None):
+        self._first, self._every, self._last = first, every, last
+
+    def __len__(self) -> int:
+        return int(self._first) + len(self._every) + int(self._last is not None)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        if self._first:
+            if i == 0:
+                return 1
+            i -= 1
+        return self._every[i] if i < len(self._every) else self._last
+
+
+def save_steps(start: int, last: int, interval: int, first_step: bool = False) -> SaveSteps:
     """The steps after ``start`` up to ``last`` that save: every ``interval``-th, step 1 when
     ``first_step`` (``checkpoint.enable_first_step_checkpoint``), and the last."""
-    steps = set(range((start // interval + 1) * interval, last + 1, interval))
-    if first_step and start < 1 <= last:
-        steps.add(1)
-    if last > start:
-        steps.add(last)
-    return sorted(steps)
+    every = range((start // interval + 1) * interval, last + 1, interval)
+    first = first_step and start < 1 <= last and not (every and every[0] == 1)
+    end = last if last > start and not (every and every[-1] == last) else None
+    return SaveSteps(first, every, end)
 
 
-def first_failing_save(free: int, sizes: list[int], keep_latest_k: int, existing: int) -> int | None:
-    """Index of the first of this run's saves (``sizes`` in bytes, in order) that would not fit
-    in ``free`` bytes, or None. With ``keep_latest_k`` = k > 0 a save is complete before the
-    checkpoints beyond k are deleted, so k + 1 coexist; ``existing`` complete checkpoints in the
-    folder count towards k (their bytes are not in ``free``); with k = 0 every save stays."""
-    window = len(sizes) if keep_latest_k <= 0 else max(1, keep_latest_k + 1 - existing)
-    held = 0
-    for i, size in enumerate(sizes):
-        held += size
-        if i >= window:
-            held -= sizes[i - window]
-        if held > free:
-            return i
+def first_failing_save(free: int, count: int, size: int, last_size: int, keep_latest_k: int,
+                       existing: int) -> int | None:
+    """Index of the first of this run's ``count`` saves (``size`` bytes each, the last
+    ``last_size``) that would not fit in ``free`` bytes, or None; counted, not simulated.
+    With ``keep_latest_k`` = k > 0 a save is complete before the checkpoints beyond k are
+    deleted, so k + 1 coexist; ``existing`` complete checkpoints in the folder count towards
+    k (their bytes are not in ``free``); with k = 0 every save stays."""
+    if count <= 0:
+        return None
+    window = count if keep_latest_k <= 0 else max(1, keep_latest_k + 1 - existing)
+    # Before the last save, the i-th (from 0) holds min(i + 1, window) full checkpoints.
+    fitting = free // size if size > 0 else count
+    if fitting < min(window, count - 1):
+        return fitting
+    if (min(count, window) - 1) * size + last_size > free:
+        return count - 1
     return None
 
 
-def warn_if_short(folder: str, estimate: int, saves: list[int], keep_latest_k: int = 0,
+def warn_if_short(folder: str, estimate: int, saves: Sequence[int], keep_latest_k: int = 0,
                   existing: int = 0, last_bytes: int | None = None) -> None:
     """Rank 0: warn when ``folder``'s file system cannot hold the checkpoints this run writes
     (at ``saves``, ``estimate`` bytes each, the last ``last_bytes`` when it holds only the
@@ -115,10 +141,8 @@ def warn_if_short(folder: str, estimate: int, saves: list[int], keep_latest_k: i
         free = shutil.disk_usage(folder).free
     except OSError:
         return
-    sizes = [estimate] * len(saves)
-    if last_bytes is not None:
-        sizes[-1] = last_bytes
-    failing = first_failing_save(free, sizes, keep_latest_k, existing)
+    last = estimate if last_bytes is None else last_bytes
+    failing = first_failing_save(free, len(saves), estimate, last, keep_latest_k, existing)
     kept = ("keeps them all (checkpoint.keep_latest_k=0)" if keep_latest_k <= 0
             else f"keeps the latest {keep_latest_k} (checkpoint.keep_latest_k)")
     count = f"{len(saves)} checkpoint{'s' if len(saves) > 1 else ''}"
@@ -132,7 +156,7 @@ def warn_if_short(folder: str, estimate: int, saves: list[int], keep_latest_k: i
     if failing == 0:
         logger.warning(
             f"Checkpoint: {folder} has {byte_size(free)} free, less than one checkpoint "
-            f"(~{byte_size(sizes[0])}: weights + optimizer state); the save at step {step} will "
+            f"(~{byte_size(estimate if len(saves) > 1 else last)}: weights + optimizer state); the save at step {step} will "
             "fail with 'no space left' unless space is freed (older checkpoints are never touched)"
         )
     elif keep_latest_k == 1 and existing == 0 and failing == 1:

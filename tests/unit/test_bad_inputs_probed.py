@@ -1,0 +1,85 @@
+"""Bad inputs found by probing the trainer and the launcher with ~220 user mistakes: each is
+one clear line naming its setting (exit 2 through the entry points), or a warning where the
+run can go on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_preflight_files import cfg_of, refused
+from torchtitan.config.manager import main
+
+EXITS_ON_IMPORT = {
+    "exiter": ("import sys\nsys.exit(3)\n", "exited while importing (sys.exit(3)): a module to "
+               "import must not exit or parse the command line"),
+    "argparser": (
+        "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--foo')\n"
+        "parser.parse_args()\n",
+        "exited while importing (sys.exit(2) after printing '",
+    ),
+}
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    for name, (source, _) in EXITS_ON_IMPORT.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(EXITS_ON_IMPORT))
+def test_custom_import_that_exits_is_one_line_naming_the_setting(user_modules, capsys, name):
+    """A module calling sys.exit (or argparse reading the trainer's flags) at import ended the
+    run with its own exit code and no word, or with argparse's usage, as if the trainer's
+    flags were wrong."""
+    message = refused(user_modules, "--experimental.custom_import", name)
+    assert message.startswith(f"experimental.custom_import={name!r} {EXITS_ON_IMPORT[name][1]}")
+    assert "usage:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(EXITS_ON_IMPORT))
+def test_custom_config_module_that_exits_is_one_line_and_exit_2(user_modules, capsys, name):
+    assert main(["--job.custom_config_module", name]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: job.custom_config_module={name!r} "
+                             f"{EXITS_ON_IMPORT[name][1]}")
+
+
+def test_a_module_printing_while_it_imports_still_prints(user_modules, capsys):
+    (user_modules / "chatty.py").write_text("import sys\nprint('registered', file=sys.stderr)\n")
+    refused_or_not = cfg_of(user_modules, "--experimental.custom_import", "chatty")
+    from torchtitan.plan import import_custom_module
+
+    import_custom_module(refused_or_not.experimental)
+    assert capsys.readouterr().err == "registered\n"
+
+
+@pytest.mark.parametrize("name", [".register", ".."])
+def test_relative_custom_import_is_named(tmp_path, name):
+    message = refused(tmp_path, "--experimental.custom_import", name)
+    assert message == (f"experimental.custom_import={name!r} is a relative module name: give "
+                       "the module's full dotted name on the Python path (e.g. "
+                       "my_pkg.register_model)")
+
+
+def test_toml_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    """Windows editors may start a UTF-8 file with a BOM; it read as 'invalid TOML at line 1'."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[training]\nsteps = 7\n")
+    assert main(["--job.config_file", str(path)]) == 0
+    assert "\nsteps = 7\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--training.steps", "99999999999999999999"),
+    ("--debug.seed", "-99999999999999999999"),
+    ("--checkpoint.interval", str(2**63)),
+])
+def test_integers_beyond_64_bits_are_refused(capsys, flag, value):
+    """``steps = 99999999999999999999`` trained on as if it were a number of steps."""
+    assert main([flag, value]) == 2
+    key = flag[2:]
+    assert capsys.readouterr().err == (
+        f"error: {key} {value} does not fit in a 64-bit integer (at most {2**63 - 1})\n")
