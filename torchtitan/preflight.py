@@ -159,12 +159,15 @@ def _check_datasets(cfg: JobConfig) -> None:
     """Each source as the dataloader resolves it: a known name, local files with documents,
     a streaming Hub dataset that can be reached (after ``custom_import``: it may register)."""
     from torchtitan.datasets.mix import parse_dataset_spec
-    from torchtitan.datasets.sources import check_source, resolve_dataset
+    from torchtitan.datasets.sources import check_source, in_section, resolve_dataset
 
     for name, section in _dataset_sections(cfg):
         key = f"{name}.dataset"
         for source in parse_dataset_spec(section.dataset, section.dataset_path, key):
-            check_source(resolve_dataset(source.name, source.path), source.name)
+            try:
+                check_source(resolve_dataset(source.name, source.path), source.name)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(in_section(err, name)) from None
 
 
 def _check_checkpoint(cfg: JobConfig, on_this_machine: bool) -> None:

@@ -269,15 +269,17 @@ class Trainer(Stateful):
                 self.comm_mode.after_step(self.step)
                 if self.metrics.should_log(self.step) and self.comm_mode.computes_values:
                     self._log_step(lr)
-                if self.validator is not None and self.validator.should_validate(self.step):
-                    self._check_finite()
-                    self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 stop = self._preemption_agreed()
                 last = self.step == cfg.training.steps
                 if stop or self.checkpointer.is_due(self.step, last_step=last, force=stop):
                     self._check_finite()  # never save weights updated by a non-finite step
                 if self.ft is None or self.ft.writes_checkpoints():
                     self.checkpointer.save(self.step, last_step=last, force=stop)
+                # after the save: a validation that fails (data, memory) loses no trained step
+                if self.validator is not None and self.validator.should_validate(self.step) \
+                        and not stop:
+                    self._check_finite()
+                    self.metrics.log_validation(self.step, self.validator.validate(self.model_parts))
                 if self.step == 1:
                     dist_utils.set_pg_timeouts(cfg.comm.train_timeout_seconds, self.world_mesh)
                 if profiler is not None:

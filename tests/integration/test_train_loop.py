@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.integration.trainer_utils import run_tiny
+from tests.integration.trainer_utils import built_trainer, run_tiny
 from torchtitan.train import TrainingError
 
 
@@ -90,6 +90,41 @@ def test_validation_loop(tmp_path, caplog):
     assert math.isfinite(first) and first == again  # eval is deterministic and leaves no state
     assert 0 < first < math.log(2256) + 1
     assert all(m.training for m in trainer.model_parts)
+
+
+@pytest.mark.parametrize("rows, error, message", [
+    (None, FileNotFoundError, r"validation dataset: Dataset path .*missing\.jsonl does not exist: "
+     r"fix --validation\.dataset_path\.$"),
+    ('{"content": "no text field"}\n', ValueError,
+     r"validation dataset: Dataset mine has no 'text' column \(columns: \['content'\]\)"),
+])
+def test_a_bad_validation_dataset_stops_the_build_not_step_freq(tmp_path, rows, error, message):
+    """A validation set that cannot be read was found at the first validation, after
+    ``validation.freq`` steps of training (by ``python -m torchtitan.train``, which runs no
+    launcher pre-flight)."""
+    data = tmp_path / "missing.jsonl"
+    if rows is not None:
+        data.write_text(rows)
+    with pytest.raises(error, match=message):
+        with built_trainer(tmp_path / "run", "--validation.enable", "--validation.dataset", "mine",
+                           "--validation.dataset_path", str(data), "--validation.freq", "2",
+                           "--validation.seq_len", "64"):
+            pass
+
+
+def test_the_checkpoint_is_saved_before_the_validation_of_its_step(tmp_path, monkeypatch):
+    """A validation that fails (memory, data) loses no trained step: the step saves first."""
+    from torchtitan.components.validate import Validator
+
+    def failing(self, model_parts):
+        raise RuntimeError("validation ran out of memory")
+
+    monkeypatch.setattr(Validator, "validate", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_tiny(tmp_path, "--validation.enable", "--validation.dataset", "c4_test_validation",
+                 "--validation.freq", "2", "--validation.seq_len", "64", "--checkpoint.enable",
+                 "--checkpoint.interval", "2", "--training.steps", "4")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 
 def test_tensorboard_from_trainer(tmp_path):

@@ -121,7 +121,8 @@ def test_validation_that_no_step_reaches_is_warned(caplog, freq, warned):
     cfg.training.steps, cfg.validation.enable, cfg.validation.freq = 10, True, freq
     dims = SimpleNamespace(mesh_local_rank=lambda _: 0)
     run = SimpleNamespace(job_config=cfg, parallel_dims=dims, pipeline=None, model_parts=[None],
-                          loss_fn=None, device="cpu", loss_mesh=None, weight_copies=None)
+                          loss_fn=None, device="cpu", loss_mesh=None, weight_copies=None,
+                          build_dataloader=lambda *args, **kw: [])
     build_validator(run)
     line = "validation.freq=50 > training.steps=10: the training loop validates at no step"
     assert (line in caplog.text) is warned

@@ -119,6 +119,7 @@ def build_validator(run: RunParts) -> Validator:
             infinite=False,
         )
 
+    _read_one_batch(build)
     if run.pipeline is not None:
         pipeline = run.pipeline
 
@@ -144,6 +145,20 @@ def build_validator(run: RunParts) -> Validator:
         ),
         batch_kwargs=lambda inputs, labels: model_inputs(run, inputs, labels),
     )
+
+
+def _read_one_batch(build: Callable[[], Iterable]) -> None:
+    """Read one validation batch at start-up: a missing file, a missing text column or an
+    unreachable Hub dataset stops the run before step 1 rather than at step
+    ``validation.freq`` (after training that far)."""
+    from torchtitan.datasets.sources import in_section
+
+    try:
+        next(iter(build()), None)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(in_section(err, "validation")) from None
+    except ValueError as err:
+        raise ValueError(in_section(err, "validation")) from None
 
 
 @contextlib.contextmanager

@@ -116,10 +116,16 @@ def _local_path(cfg: DatasetConfig, dataset_name: str) -> Path:
         return path
     if not path.is_absolute() and (REPO_ROOT / path).exists():
         return REPO_ROOT / path
-    raise FileNotFoundError(
-        f"Dataset path {cfg.path} does not exist: fix --training.dataset_path "
-        "(or --validation.dataset_path)."
-    )
+    raise FileNotFoundError(f"Dataset path {cfg.path} does not exist: {PATH_HINT}.")
+
+
+PATH_HINT = "fix --training.dataset_path (or --validation.dataset_path)"
+"""Where a missing local dataset path comes from; a caller that knows the section narrows it."""
+
+
+def in_section(err: Exception, section: str) -> str:
+    """``err``'s line for a dataset of the ``[section]`` config section (training, validation)."""
+    return f"{section} dataset: {str(err).replace(PATH_HINT, f'fix --{section}.dataset_path')}"
 
 
 @contextlib.contextmanager
