@@ -181,15 +181,17 @@ def _check_checkpoint(cfg: JobConfig, on_this_machine: bool) -> None:
         OPTIMIZER,
         TRAIN_STATE,
     )
-    from torchtitan.components.checkpoint.load_plan import plan_load
+    from torchtitan.components.checkpoint.load_plan import check_seed_folder, plan_load
     from torchtitan.components.checkpoint.manager import parse_exclude
 
     ck = cfg.checkpoint
     # What the Trainer's CheckpointManager holds: the model and the states it is handed.
     parse_exclude(ck.exclude_from_loading, [MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE])
+    folder = os.path.join(cfg.job.dump_folder, ck.folder)
+    if on_this_machine and ck.create_seed_checkpoint:
+        check_seed_folder(folder)
     if not on_this_machine or ck.create_seed_checkpoint or not (ck.enable or ck.initial_load_path):
         return
-    folder = os.path.join(cfg.job.dump_folder, ck.folder)
     plan_load(folder, ck.load_step, ck, resume=ck.enable)
 
 

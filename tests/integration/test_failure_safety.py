@@ -221,3 +221,24 @@ def test_unwritable_folder_fails_before_training_and_short_space_warns(tmp_path,
     short = [m for m in log.lines(logging.WARNING) if "less than one checkpoint" in m]
     assert short and "has 1000 bytes free" in short[0] and "MiB: weights + optimizer state" in short[0]
     assert "the save at step 1 will fail with 'no space left'" in short[0]
+
+
+def test_a_seed_checkpoint_is_refused_where_trained_checkpoints_are(tmp_path):
+    """A seed written next to step-2 was never used: the next run resumed from step-2. Both
+    the launcher's pre-flight and the rank refuse, and the folder stays as it was."""
+    from tests.unit.test_preflight_files import cfg_of
+    from torchtitan.preflight import check_run
+
+    assert run(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")[0] == 0
+    folder = tmp_path / "checkpoint"
+    before = snapshot(folder)
+    expected = (f"checkpoint.create_seed_checkpoint: {folder} already holds step-2, and a run "
+                "there resumes from it, not from a seed: write the seed checkpoint to an empty "
+                "folder (another --job.dump_folder or --checkpoint.folder)")
+    with pytest.raises(ValueError) as info:
+        check_run(cfg_of(tmp_path, "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                         "--checkpoint.create_seed_checkpoint"), 1, device_type="cpu")
+    assert str(info.value) == expected
+    code, log = run(tmp_path, "--checkpoint.create_seed_checkpoint")
+    assert code == 2 and errors(log) == [f"error: {expected}"]
+    assert snapshot(folder) == before

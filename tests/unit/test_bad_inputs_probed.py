@@ -83,3 +83,25 @@ def test_integers_beyond_64_bits_are_refused(capsys, flag, value):
     key = flag[2:]
     assert capsys.readouterr().err == (
         f"error: {key} {value} does not fit in a 64-bit integer (at most {2**63 - 1})\n")
+
+
+def test_start_fresh_with_a_load_step_is_refused(capsys):
+    """load_step won: the run loaded step-1 and set the newer checkpoints aside, in the folder
+    start_fresh promises to leave untouched."""
+    assert main(["--checkpoint.enable", "--checkpoint.start_fresh", "--checkpoint.load_step",
+                 "1"]) == 2
+    assert capsys.readouterr().err == (
+        "error: checkpoint.start_fresh loads nothing, and checkpoint.load_step=1 asks to load "
+        "step-1: drop one of them\n")
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--checkpoint.no_last_save_model_only"], True),
+    (["--checkpoint.no_last_save_model_only", "--checkpoint.last_save_in_hf"], False),
+    (["--checkpoint.last_save_model_only"], False),
+])
+def test_export_dtype_of_full_checkpoints_is_warned(caplog, flags, warned):
+    """Every save kept the float32 training state: --checkpoint.export_dtype did nothing."""
+    assert main(["--checkpoint.enable", *flags, "--checkpoint.export_dtype", "bfloat16"]) == 0
+    assert ("--checkpoint.export_dtype has no effect: it is the dtype of a last save holding "
+            "the model only" in caplog.text) is warned

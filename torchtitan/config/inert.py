@@ -75,6 +75,12 @@ INERT_RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], Callable[[Any], 
                                        "enable_first_step_checkpoint", "load_only")),
      lambda cfg: cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint,
      _switch("checkpoint", "enable")[1]),
+    (("checkpoint.export_dtype",),
+     lambda cfg: cfg.checkpoint.last_save_model_only or cfg.checkpoint.last_save_in_hf,
+     lambda cfg: "it is the dtype of a last save holding the model only, and "
+                 "checkpoint.last_save_model_only and checkpoint.last_save_in_hf are off (the "
+                 "full checkpoints keep the float32 weights training resumes from)"),
+    (("checkpoint.last_save_in_hf_allow_lossy",), *_switch("checkpoint", "last_save_in_hf")),
     (("profiling.save_traces_folder", "profiling.profiler_active", "profiling.profiler_warmup"),
      *_switch("profiling", "enable_profiling")),
     (("profiling.profile_freq",),

@@ -175,6 +175,12 @@ def validate(cfg: Any) -> None:
                 "which torch.compile's memory-budget partitioner cannot size (torch 2.13); use "
                 "mode 'full' or 'selective'"
             )
+    ck = cfg.checkpoint
+    if ck.start_fresh and ck.load_step != -1:
+        raise ConfigError(
+            f"checkpoint.start_fresh loads nothing, and checkpoint.load_step={ck.load_step} asks "
+            f"to load step-{ck.load_step}: drop one of them"
+        )
     _check_dataset_specs(cfg)
     _check_save_config_file(cfg.job.save_config_file)
     _check_fault_tolerance(cfg.fault_tolerance)

@@ -14,7 +14,13 @@ from torchtitan.components.checkpoint.hf_files import check_hf_folder
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.tools.logging import logger
 
-__all__ = ["LoadPlan", "decide_initial_load", "plan_load", "refuse_fresh_start"]
+__all__ = [
+    "LoadPlan",
+    "check_seed_folder",
+    "decide_initial_load",
+    "plan_load",
+    "refuse_fresh_start",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,20 @@ class LoadPlan:
     fails its content check (only when the newest was chosen automatically)."""
     damaged: tuple[tuple[str, str], ...] = ()
     """``(path, reason)`` of the checkpoints of the folder that did not verify."""
+
+
+def check_seed_folder(folder: str) -> None:
+    """``checkpoint.create_seed_checkpoint``: refuse a folder that already holds trained
+    checkpoints. A run started there resumes from the newest of them, never from the seed it
+    was told to use."""
+    trained = [e.step for e in fs.complete_checkpoints(folder) if e.step > 0]
+    if trained:
+        raise CheckpointError(
+            f"checkpoint.create_seed_checkpoint: {folder} already holds "
+            f"{fs.step_dir_name(max(trained))}, and a run there resumes from it, not from a "
+            "seed: write the seed checkpoint to an empty folder (another --job.dump_folder or "
+            "--checkpoint.folder)"
+        )
 
 
 def refuse_fresh_start(folder: str, damaged: list[tuple[str, str]]) -> CheckpointError:

@@ -35,7 +35,12 @@ from torchtitan.components.checkpoint.common import (
 from torchtitan.components.checkpoint.guard import SaveGuard
 from torchtitan.components.checkpoint.hooks import SaveHooks, hooks_from_env
 from torchtitan.components.checkpoint.load import load_dcp
-from torchtitan.components.checkpoint.load_plan import LoadPlan, plan_load, refuse_fresh_start
+from torchtitan.components.checkpoint.load_plan import (
+    LoadPlan,
+    check_seed_folder,
+    plan_load,
+    refuse_fresh_start,
+)
 from torchtitan.components.checkpoint.lock import FolderLock
 from torchtitan.components.checkpoint.messages import seed_flags, setup_line
 from torchtitan.components.checkpoint.save import CheckpointSaver, InFlightSave
@@ -317,6 +322,7 @@ class CheckpointManager:
                 f"checkpoint.create_seed_checkpoint needs a single process (NGPU=1 and every "
                 f"parallelism.*_degree 1); this run has world size {ws}"
             )
+        check_seed_folder(self.folder)
         path = os.path.join(self.folder, fs.step_dir_name(0))
         if os.path.exists(path):
             logger.warning(f"Checkpoint: replacing the existing seed checkpoint {path}")
