@@ -17,6 +17,8 @@ DEBUG = str(REPO_ROOT / "train_configs" / "debug_model.toml")
 SWITCH_ON = {
     "validation.dataset": ["--validation.enable"],
     "checkpoint.interval": ["--checkpoint.enable"],
+    "checkpoint.export_dtype": ["--checkpoint.enable", "--checkpoint.last_save_model_only"],
+    "checkpoint.last_save_in_hf_allow_lossy": ["--checkpoint.enable", "--checkpoint.last_save_in_hf"],
     "profiling.save_traces_folder": ["--profiling.enable_profiling"],
     "profiling.profile_freq": ["--profiling.enable_memory_snapshot"],
     "profiling.save_memory_snapshot_folder": ["--profiling.enable_memory_snapshot"],

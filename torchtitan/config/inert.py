@@ -37,6 +37,10 @@ def _converts(name: str) -> tuple[Callable[[Any], bool], Callable[[Any], str]]:
     return active, lambda cfg: f"model.converters={list(cfg.model.converters)} does not include {name}"
 
 
+def _checkpoints(cfg: Any) -> bool:
+    return cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint
+
+
 def _degree(key: str) -> tuple[Callable[[Any], bool], Callable[[Any], str]]:
     return (lambda cfg: getattr(cfg.parallelism, key) > 1,
             lambda cfg: f"parallelism.{key}={getattr(cfg.parallelism, key)}")
@@ -71,16 +75,19 @@ INERT_RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], Callable[[Any], 
                                        "freq", "steps")), *_switch("validation", "enable")),
     (tuple(f"checkpoint.{k}" for k in ("interval", "keep_latest_k", "async_mode", "load_step",
                                        "last_save_model_only", "last_save_in_hf",
-                                       "last_save_in_hf_allow_lossy", "export_dtype",
                                        "enable_first_step_checkpoint", "load_only")),
-     lambda cfg: cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint,
+     _checkpoints,
      _switch("checkpoint", "enable")[1]),
     (("checkpoint.export_dtype",),
-     lambda cfg: cfg.checkpoint.last_save_model_only or cfg.checkpoint.last_save_in_hf,
-     lambda cfg: "it is the dtype of a last save holding the model only, and "
-                 "checkpoint.last_save_model_only and checkpoint.last_save_in_hf are off (the "
-                 "full checkpoints keep the float32 weights training resumes from)"),
-    (("checkpoint.last_save_in_hf_allow_lossy",), *_switch("checkpoint", "last_save_in_hf")),
+     lambda cfg: _checkpoints(cfg) and (cfg.checkpoint.last_save_model_only
+                                        or cfg.checkpoint.last_save_in_hf),
+     lambda cfg: _switch("checkpoint", "enable")[1](cfg) if not _checkpoints(cfg) else
+     "it is the dtype of a last save holding the model only, and "
+     "checkpoint.last_save_model_only and checkpoint.last_save_in_hf are off (the full "
+     "checkpoints keep the float32 weights training resumes from)"),
+    (("checkpoint.last_save_in_hf_allow_lossy",),
+     lambda cfg: _checkpoints(cfg) and cfg.checkpoint.last_save_in_hf,
+     lambda cfg: _switch("checkpoint", "enable" if not _checkpoints(cfg) else "last_save_in_hf")[1](cfg)),
     (("profiling.save_traces_folder", "profiling.profiler_active", "profiling.profiler_warmup"),
      *_switch("profiling", "enable_profiling")),
     (("profiling.profile_freq",),
