@@ -32,6 +32,19 @@ def test_warmup_stable_decay():
     assert lrs == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25])
 
 
+def test_warmup_and_decay_that_overlap_are_warned(caplog):
+    """warmup 3 + decay 0.9 x 4 steps: the decay was cut from 4 steps to 1 without a word."""
+    lrs = _lrs(LRScheduler(warmup_steps=3, decay_ratio=0.9, decay_type="linear"), steps=4)
+    assert lrs == pytest.approx([1 / 4, 2 / 4, 3 / 4, 1.0])
+    assert ("lr_scheduler.warmup_steps=3 + decay_ratio=0.9 x training.steps=4 (4 decay steps) "
+            "exceed training.steps: the decay is cut to the 1 step after the warm-up"
+            in caplog.text)
+    caplog.clear()
+    _lrs(LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="linear"), steps=8)
+    _lrs(LRScheduler(warmup_steps=2, decay_ratio=0.8, decay_type="linear"), steps=1)  # said once
+    assert "exceed training.steps" not in caplog.text
+
+
 def test_min_lr_factor_and_shapes():
     kw = dict(warmup_steps=0, decay_steps=10, training_steps=10, min_lr_factor=0.1)
     assert lr_factor(10, decay_type="linear", **kw) == pytest.approx(0.1)

@@ -62,7 +62,18 @@ class LRSchedulersContainer(Stateful):
         else:
             decay_steps = round(training_steps * cfg.decay_ratio)
             if warmup + decay_steps > training_steps:
-                decay_steps = training_steps - warmup
+                left = training_steps - warmup
+                if warmup == cfg.warmup_steps:  # (a warm-up longer than the run is said above)
+                    from torchtitan.tools.logging import logger
+
+                    logger.warning(
+                        f"lr_scheduler.warmup_steps={warmup} + decay_ratio={cfg.decay_ratio} x "
+                        f"training.steps={training_steps} ({decay_steps} decay steps) exceed "
+                        f"training.steps: the decay is cut to the {left} step"
+                        f"{'s' if left != 1 else ''} after the warm-up; lower warmup_steps or "
+                        "decay_ratio"
+                    )
+                decay_steps = left
         self.fn = functools.partial(
             lr_factor,
             warmup_steps=warmup,
