@@ -105,3 +105,21 @@ def test_export_dtype_of_full_checkpoints_is_warned(caplog, flags, warned):
     assert main(["--checkpoint.enable", *flags, "--checkpoint.export_dtype", "bfloat16"]) == 0
     assert ("--checkpoint.export_dtype has no effect: it is the dtype of a last save holding "
             "the model only" in caplog.text) is warned
+
+
+@pytest.mark.parametrize("what", ["float8.filter_fqns", "mx.filter_fqns"])
+def test_a_filter_entry_matching_no_module_is_warned(caplog, what):
+    """``--float8.filter_fqns outptu`` converted the output layer it meant to keep, silently."""
+    from torch import nn
+
+    from torchtitan.components.float8 import plan_linears
+
+    model = nn.ModuleDict({"layers": nn.ModuleDict({"0": nn.ModuleDict({
+        "wq": nn.Linear(32, 32)})}), "output": nn.Linear(32, 64)})
+    chosen, _ = plan_linears(model, ["outptu", "wq"], what=what)
+    assert chosen == {"output"}
+    assert (f"{what}: 'outptu' matches no module of the model, so it keeps nothing in high "
+            "precision (Linear layers: layers.*.wq, output)") in caplog.text
+    caplog.clear()
+    assert plan_linears(model, ["output"], what=what)[0] == {"layers.0.wq"}
+    assert "matches no module" not in caplog.text

@@ -111,6 +111,15 @@ def plan_linears(model: nn.Module, filter_fqns: list[str], recipe: str = "tensor
     from torchtitan.models.common.decoder import OutputHead  # a plain Linear too
 
     convert, skipped = set(), {}
+    linears = [fqn for fqn, mod in model.named_modules() if type(mod) in (nn.Linear, OutputHead)]
+    unmatched = [f for f in fqns if not any(f in fqn for fqn, _ in model.named_modules())]
+    if unmatched:  # a typo ('outptu') would convert the very layer it meant to keep
+        logger.warning(
+            f"{what}: {', '.join(map(repr, unmatched))} matches no module of the model, so it "
+            f"keeps nothing in high precision (Linear layers: "
+            f"{', '.join(dict.fromkeys(map(_layer_pattern, linears))) or '-'}); "
+            "an entry is a part of a module's name, e.g. output"
+        )
     for fqn, mod in model.named_modules():
         if type(mod) not in (nn.Linear, OutputHead):  # not already converted
             continue
