@@ -113,13 +113,16 @@ def output_folders(cfg: JobConfig) -> list[tuple[str, str]]:
         folders.append(
             ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder)
         )
+    if cfg.comm.trace_buf_size > 0:  # Flight Recorder's dumps when a collective stalls
+        folders.append(("comm.save_traces_folder", cfg.comm.save_traces_folder))
     return [(key, os.path.join(dump, sub)) for key, sub in folders]
 
 
 def check_output_folders(cfg: JobConfig) -> None:
     """:func:`check_dump_folder`, then each folder an enabled feature writes under it
-    (TensorBoard, profiler traces, memory snapshots): a file there would fail the run at its
-    first write (the profiler's at a trace's end, in C++, without a message)."""
+    (TensorBoard, profiler traces, memory snapshots, Flight Recorder dumps): a file there would
+    fail the run at its first write (the profiler's at a trace's end, in C++, without a
+    message; Flight Recorder's when a stall is to be diagnosed)."""
     check_dump_folder(cfg.job.dump_folder)
     for key, path in output_folders(cfg):
         _check_folder(path, key, f"set --{key} to a folder name (under job.dump_folder)")

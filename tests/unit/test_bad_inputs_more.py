@@ -58,6 +58,7 @@ def test_custom_import_failing_inside_says_where_in_one_line(tmp_path, monkeypat
         (["--metrics.enable_tensorboard"], "metrics.save_tb_folder"),
         (["--profiling.enable_profiling"], "profiling.save_traces_folder"),
         (["--profiling.enable_memory_snapshot"], "profiling.save_memory_snapshot_folder"),
+        ([], "comm.save_traces_folder"),  # Flight Recorder: written only when a rank stalls
     ],
 )
 def test_output_folder_that_is_a_file_is_refused_before_training(tmp_path, flags, key):
