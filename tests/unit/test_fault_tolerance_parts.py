@@ -156,6 +156,30 @@ def test_preflight_reaches_the_lighthouse(monkeypatch):
     )
 
 
+def test_a_group_of_one_process_starts_without_torchrun(monkeypatch):
+    """``python -m torchtitan.train`` with fault tolerance: torchft's Manager joins the store
+    torchrun hosts (MASTER_ADDR) and failed with KeyError 'MASTER_ADDR', named as a lighthouse
+    problem; the rank now probes the lighthouse itself and hosts the store of a 1-rank group."""
+    _torchft = pytest.importorskip("torchft._torchft")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # restored (unset or not) after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with socket.socket() as closed:
+        closed.bind(("localhost", 0))
+        port = closed.getsockname()[1]
+    cfg = cfg_of(*FT, "--fault_tolerance.lighthouse", f"http://localhost:{port}").fault_tolerance
+    with pytest.raises(FaultToleranceError, match=r"^cannot reach the torchft lighthouse at "
+                       rf"http://localhost:{port} \(Connection refused\)"):
+        FaultTolerance(cfg, group_rank=0, group_world_size=1)
+    server = _torchft.LighthouseServer(bind="[::]:0", min_replicas=1)
+    cfg.lighthouse = f"http://localhost:{int(server.address().rsplit(':', 1)[1])}"
+    try:
+        ft = FaultTolerance(cfg, group_rank=0, group_world_size=1)
+        ft.shutdown()
+    finally:
+        server.shutdown()
+
+
 @contextlib.contextmanager
 def _impostor(kind: str):
     """A port that accepts connections but is no lighthouse: a plain HTTP server, or a socket

@@ -28,6 +28,7 @@ from torch import nn
 
 from torchtitan.components.fault_tolerance.layout import (
     FaultToleranceError,
+    check_lighthouse,
     data_layout,
     lighthouse_address,
     split_group_outputs,
@@ -112,6 +113,18 @@ class FaultTolerance:
             pg = torchft.ProcessGroupGloo(timeout=timeout)
         self.semi_sync = cfg.semi_sync_method
         self.live_state: LiveState | None = None
+        self._own_store = None
+        if "MASTER_ADDR" not in os.environ:
+            # Not started by torchrun (python -m torchtitan.train): the launcher's pre-flight
+            # did not probe the lighthouse, and torchft's Manager joins the store torchrun
+            # hosts at MASTER_ADDR:MASTER_PORT, which a group of one process can host itself.
+            check_lighthouse(cfg)
+            if group_world_size == 1:
+                from torch.distributed import TCPStore
+
+                self._own_store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+                os.environ["MASTER_ADDR"] = "localhost"
+                os.environ["MASTER_PORT"] = str(self._own_store.port)
         try:
             self.manager = Manager(
                 pg=pg,
