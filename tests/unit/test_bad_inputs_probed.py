@@ -123,3 +123,12 @@ def test_a_filter_entry_matching_no_module_is_warned(caplog, what):
     caplog.clear()
     assert plan_linears(model, ["output"], what=what)[0] == {"layers.0.wq"}
     assert "matches no module" not in caplog.text
+
+
+def test_a_negative_microbatch_count_is_refused_on_one_stage_too(tmp_path, capsys):
+    """From a TOML file with one pipeline stage, -4 microbatches passed without a word."""
+    path = tmp_path / "job.toml"
+    path.write_text("[parallelism]\npipeline_parallel_microbatches = -4\n")
+    assert main(["--job.config_file", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        "error: parallelism.pipeline_parallel_microbatches must be >= 1 (or None), got -4\n")

@@ -64,6 +64,7 @@ CHECKS: dict[str, Check] = {
     "parallelism.pipeline_parallel_first_stage_less_layers": _ge(0),
     "parallelism.pipeline_parallel_last_stage_less_layers": _ge(0),
     "parallelism.pipeline_parallel_layers_per_stage": _opt(_ge(1)),
+    "parallelism.pipeline_parallel_microbatches": _opt(_ge(1)),
     "training.steps": _gt(0),
     "training.local_batch_size": _gt(0),
     "training.global_batch_size": _or_minus_one(_gt(0)),
