@@ -132,3 +132,23 @@ def test_a_negative_microbatch_count_is_refused_on_one_stage_too(tmp_path, capsy
     assert main(["--job.config_file", str(path)]) == 2
     assert capsys.readouterr().err == (
         "error: parallelism.pipeline_parallel_microbatches must be >= 1 (or None), got -4\n")
+
+
+def test_several_ranks_without_a_rendezvous_address_name_the_launcher(monkeypatch):
+    """WORLD_SIZE=2 with ``python -m``: torch's 'env:// rendezvous: MASTER_ADDR expected'."""
+    import torch.distributed as dist
+
+    from torchtitan.config.job_config import Comm
+    from torchtitan.distributed.utils import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError) as info:
+        init_distributed(Comm(), "cpu")
+    assert str(info.value) == (
+        "WORLD_SIZE=2 asks for several ranks, but MASTER_ADDR and MASTER_PORT are not set: "
+        "launch them with ./run_train.sh (NGPU=N) or torchrun, which set them, or unset "
+        "WORLD_SIZE for one process")

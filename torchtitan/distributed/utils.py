@@ -52,6 +52,14 @@ def init_distributed(comm: Comm, device_type: str) -> None:
     """
     if dist.is_initialized():
         return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:  # torch's own error names env:// rendezvous, not the launch that was meant
+        raise ValueError(
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} asks for several ranks, but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch "
+            "them with ./run_train.sh (NGPU=N) or torchrun, which set them, or unset "
+            "WORLD_SIZE for one process"
+        )
     backend = backend_for(device_type)
     if device_type == "cuda":
         backend = "cuda:nccl,cpu:gloo"  # gloo for CPU-side work such as async checkpoint staging
