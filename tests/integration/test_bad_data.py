@@ -87,6 +87,8 @@ CASES = {
         r"e\.jsonl:3: not valid JSON \(.*\); 2 lines are not JSON in all\. Fix or remove them",
     ),
     "number": (['{"text": "hello world"}', '{"text": 12345}'], r"e\.jsonl:2: 'text' is int 12345, not a string"),
+    "row_not_object": (['{"text": "hello world"}', "[1, 2]"],
+                       r"e\.jsonl:2: the row is a JSON list \[1, 2\], not an object with a 'text' field"),
 }
 
 

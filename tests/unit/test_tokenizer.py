@@ -212,7 +212,8 @@ def test_detection_by_content(tmp_path):
         detect_tokenizer_kind(garbage)
     empty = tmp_path / "empty.model"
     empty.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"is empty"):
+    with pytest.raises(ValueError, match=r"is empty \(0 bytes\): restore it, or point "
+                       r"--model\.hf_assets_path at a folder holding a tokenizer"):
         detect_tokenizer_kind(empty)
 
 

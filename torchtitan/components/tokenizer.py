@@ -336,7 +336,11 @@ def detect_tokenizer_kind(path: str | Path) -> str:
     with open(path, "rb") as f:
         head = f.read(4096)
     if not head:
-        raise ValueError(f"Tokenizer file {path} is empty.")
+        raise ValueError(
+            f"Tokenizer file {path} is empty (0 bytes): restore it, or point "
+            "--model.hf_assets_path at a folder holding a tokenizer (tokenizer.json, "
+            "tokenizer.model)"
+        )
     first_line = head.split(b"\n", 1)[0]
     if _TIKTOKEN_LINE.match(first_line):
         return "tiktoken"

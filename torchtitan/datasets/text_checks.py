@@ -159,7 +159,13 @@ def _scan_file(path: Path, column: str, not_json: list[str], not_text: list[str]
             except ValueError as err:
                 not_json.append(f"{path}:{lineno}: not valid JSON ({err})")
                 continue
-            text = value.get(column) if isinstance(value, dict) else value
+            if not isinstance(value, dict):  # a JSON lines row is an object of columns
+                shown = line.strip()
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                not_text.append(f"{path}:{lineno}: the row is a JSON {type(value).__name__} "
+                                f"{shown}, not an object with a {column!r} field")
+                continue
+            text = value.get(column)
             if text is not None and not isinstance(text, str):
                 shown = json.dumps(text)
                 shown = shown if len(shown) <= 40 else shown[:37] + "..."
