@@ -111,3 +111,29 @@ def test_resume_onto_another_dataset_name_is_one_warning(tmp_path, caplog):
         f"after starts at its beginning and gives the sequences from {state['position']} on"
     ]
     assert caplog.records[0].levelno == logging.WARNING
+
+
+# --- data smaller than one sample ----------------------------------------------------------------
+def test_a_dataset_shorter_than_one_sample_is_warned_once(tmp_path, caplog):
+    """One two-word document re-looped hundreds of times within the first sample, said only
+    as one INFO line per pass."""
+    path = _docs(tmp_path / "tiny.jsonl", ["hi"])
+    with caplog.at_level(logging.INFO):
+        it = iter(HuggingFaceTextDataset("mine", path, CHAR, seq_len=64))
+        next(it), next(it)
+    assert _warnings(caplog) == [
+        f"Dataset mine ({path}): a whole pass over its 1 documents gives 4 tokens (dp rank 0), "
+        "fewer than one sample of 65 (training.seq_len + 1): each sample repeats the same text; "
+        "train on more data"
+    ]
+    assert not any("re-looping" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # enough data: passes are said once each, no warning
+        it = iter(HuggingFaceTextDataset("mine", _docs(tmp_path / "ok.jsonl", DOCS), CHAR,
+                                         seq_len=8))
+        for _ in range(5000):
+            next(it)
+            if any("re-looping" in r.getMessage() for r in caplog.records):
+                break
+    assert _warnings(caplog) == []
+    assert any("re-looping (epoch 1)" in r.getMessage() for r in caplog.records)

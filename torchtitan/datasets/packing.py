@@ -53,6 +53,7 @@ class DocumentSource:
         self.name, self.cfg, self.tokenizer = name, cfg, tokenizer
         self.infinite, self.dp_rank = infinite, dp_rank
         self.origin = describe(cfg)  # saved with the position: a resume onto other data is named
+        self.window = 0  # tokens per sample, set by the PackedStream that reads this source
         ds = load_text_dataset(cfg, name)
         self.streaming = isinstance(ds, datasets.IterableDataset)
         self._data = ds if self.streaming else ds.select_columns([cfg.text_column])
@@ -157,12 +158,22 @@ class DocumentSource:
         if not self.infinite:
             logger.info("Dataset %s: end of data (dp rank %d).", self.name, self.dp_rank)
             return False
+        # A pass shorter than one sample: every sample repeats the data, one pass after another
+        tiny = self._whole_pass and self._pass_tokens < self.window
+        if tiny and self.epoch == 0:
+            logger.warning(
+                "Dataset %s (%s): a whole pass over its %d documents gives %d tokens (dp rank "
+                "%d), fewer than one sample of %d (training.seq_len + 1): each sample repeats "
+                "the same text; train on more data",
+                self.name, self.origin, self.docs, self._pass_tokens, self.dp_rank, self.window,
+            )
         self.epoch += 1
         self.docs = 0
         self._hf_state, self._iter = None, None
         self._pass_tokens = self._pass_skipped = 0
         self._whole_pass = True
-        logger.info("Dataset %s is re-looping (epoch %d).", self.name, self.epoch)
+        if not tiny:  # (else one line per pass, hundreds per step)
+            logger.info("Dataset %s is re-looping (epoch %d).", self.name, self.epoch)
         return True
 
 
@@ -171,6 +182,7 @@ class PackedStream:
 
     def __init__(self, source: DocumentSource, window: int):
         self.source, self.window = source, window
+        source.window = window
         self.buffer: list[int] = []
 
     def _fill(self) -> bool:
