@@ -83,10 +83,21 @@ def _world_size(opts: list[str]) -> int | None:
 
 def check_local_gpus(nproc_per_node: str | None) -> None:
     """On a CUDA machine, refuse more ranks per node than visible GPUs (each rank takes the GPU
-    of its local rank; one past the last dies with "invalid device ordinal")."""
+    of its local rank; one past the last dies with "invalid device ordinal"); on the CPU, warn
+    when the ranks outnumber the cores."""
     from torchtitan.tools.device import device_type
 
-    if device_type != "cuda" or not (nproc_per_node or "").isdigit():
+    if not (nproc_per_node or "").isdigit():
+        return
+    if device_type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores and int(nproc_per_node) > cores:
+            print(f"warning: NGPU={nproc_per_node} starts {nproc_per_node} CPU ranks on {cores} "
+                  f"core{'s' if cores != 1 else ''}: they take turns, and each step is about "
+                  f"{int(nproc_per_node) / cores:.0f}x slower than on enough cores (fine for "
+                  "trying a layout; lower NGPU for speed)", file=sys.stderr)
+        return
+    if device_type != "cuda":
         return
     import torch
 

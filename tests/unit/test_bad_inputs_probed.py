@@ -152,3 +152,20 @@ def test_several_ranks_without_a_rendezvous_address_name_the_launcher(monkeypatc
         "WORLD_SIZE=2 asks for several ranks, but MASTER_ADDR and MASTER_PORT are not set: "
         "launch them with ./run_train.sh (NGPU=N) or torchrun, which set them, or unset "
         "WORLD_SIZE for one process")
+
+
+def test_more_cpu_ranks_than_cores_is_warned(monkeypatch, capsys):
+    """NGPU=8 on 2 cores trained ~10x slower than one rank, without a word."""
+    import os
+
+    import torchtitan.tools.device as device
+    from torchtitan.launch import check_local_gpus
+
+    monkeypatch.setattr(device, "device_type", "cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    check_local_gpus("2")
+    assert capsys.readouterr().err == ""
+    check_local_gpus("8")
+    assert capsys.readouterr().err == (
+        "warning: NGPU=8 starts 8 CPU ranks on 2 cores: they take turns, and each step is about "
+        "4x slower than on enough cores (fine for trying a layout; lower NGPU for speed)\n")
