@@ -157,6 +157,21 @@ def test_checksums_fall_back_to_the_previous_checkpoint_or_refuse(tmp_path):
     assert snapshot(folder) == before
 
 
+def test_a_rewritten_damaged_step_is_purged_like_any_other(tmp_path):
+    """After a fallback past a damaged step-2, the new step-2 stayed protected as if it were
+    the damaged one: keep_latest_k=1 left step-2 and step-3 (purging lagged one save)."""
+    flags = ["--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "1"]
+    assert run(tmp_path, *flags, "--checkpoint.keep_latest_k", "0", "--training.steps", "2")[0] == 0
+    folder = tmp_path / "checkpoint"
+    _flip_middle_byte(folder / "step-2" / "__0_0.distcp")
+    code, log = run(tmp_path, *flags, "--training.steps", "3")
+    assert code == 0 and any("falling back to" in m for m in log.lines(logging.WARNING))
+    names = sorted(os.listdir(folder))
+    aside = [n for n in names if n.startswith("step-2.superseded-")]
+    assert len(aside) == 1  # the damaged one, kept aside (never purged)
+    assert [n for n in names if n not in aside] == ["step-3"]
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_disk_full_is_one_line_and_keeps_older_checkpoints(tmp_path, monkeypatch, async_mode):
     monkeypatch.setenv(HOOKS_ENV, "tests.checkpoint_kill_hook:DiskFull")

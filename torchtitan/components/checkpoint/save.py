@@ -148,6 +148,9 @@ class CheckpointSaver:
         with uninterruptible():  # a second Ctrl-C waits for the renames
             aside = fs.commit_checkpoint(tmp, final, info, replace=os.path.abspath(final) in self.written)
         self.written.add(os.path.abspath(final))
+        # a damaged or pre-existing step-N protected at this path went aside: its protection
+        # goes with it, and the checkpoint now here is this run's, purged like the others
+        self.protected.discard(os.path.abspath(final))
         if aside is not None:
             self.protected.add(os.path.abspath(aside))
             logger.warning(
