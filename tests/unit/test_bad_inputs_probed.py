@@ -169,3 +169,21 @@ def test_more_cpu_ranks_than_cores_is_warned(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "warning: NGPU=8 starts 8 CPU ranks on 2 cores: they take turns, and each step is about "
         "4x slower than on enough cores (fine for trying a layout; lower NGPU for speed)\n")
+
+
+@pytest.mark.parametrize("value, tty, colored, warned", [
+    ("true", False, True, False), ("off", True, False, False), ("1", False, True, False),
+    ("maybe", True, True, True), ("maybe", False, False, True),
+])
+def test_color_setting_spellings(monkeypatch, caplog, value, tty, colored, warned):
+    """TORCHTITAN_COLOR=true was ignored without a word (only 0 and 1 were read)."""
+    import sys
+
+    from torchtitan.tools import logging as titan_logging
+
+    titan_logging._unknown_color.cache_clear()
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TORCHTITAN_COLOR", value)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty, raising=False)
+    assert titan_logging.console_wants_color() is colored
+    assert ("TORCHTITAN_COLOR='maybe' is neither 1 nor 0" in caplog.text) is warned

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -59,9 +60,23 @@ def console_wants_color() -> bool:
     if os.environ.get("NO_COLOR"):
         return False
     forced = os.environ.get(COLOR_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
+    if forced is not None and forced.strip().lower() in _COLOR_ON:
+        return True
+    if forced is not None and forced.strip().lower() in _COLOR_OFF:
+        return False
+    if forced:
+        _unknown_color(forced)
     return sys.stdout.isatty()
+
+
+_COLOR_ON = ("1", "true", "yes", "on", "always")
+_COLOR_OFF = ("0", "false", "no", "off", "never")
+
+
+@functools.cache
+def _unknown_color(value: str) -> None:
+    logger.warning(f"{COLOR_ENV}={value!r} is neither 1 nor 0 (nor true/false, yes/no, on/off): "
+                   "ignored; colours follow whether the console is a terminal")
 
 
 def byte_size(n: float) -> str:
