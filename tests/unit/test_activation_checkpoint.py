@@ -158,6 +158,18 @@ def test_none_changes_nothing():
     assert list(model.layers.values()) == blocks
 
 
+def test_a_recompute_filter_matching_no_module_is_warned(caplog):
+    """A typo ('attention.wqq') recomputed nothing, silently; the default entry (MoE's router
+    gate, absent from dense models) says nothing."""
+    fqns = ["attention.wqq", "feed_forward.w1", "moe.router.gate"]
+    apply_ac(_model(2), _cfg("selective", "op", per_op_sac_force_recompute_mm_shapes_by_fqns=fqns))
+    assert ("per_op_sac_force_recompute_mm_shapes_by_fqns: 'attention.wqq' matches no module of "
+            "the blocks here, so no matmul is recomputed for it") in caplog.text
+    caplog.clear()
+    apply_ac(_model(2), _cfg("selective", "op"))
+    assert "matches no module" not in caplog.text
+
+
 @pytest.mark.parametrize("option", ["abc", "0", "-1", "1.5", ""])
 def test_bad_selective_option(option):
     with pytest.raises(ValueError, match="activation_checkpoint.selective_ac_option="):

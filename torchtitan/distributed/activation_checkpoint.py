@@ -146,16 +146,20 @@ def _op_sac_policy(
 
 
 def _force_recompute_mm_shapes(
-    block: nn.Module, base_fqn: str, fqn_filters: list[str]
+    block: nn.Module, base_fqn: str, fqn_filters: list[str], matched: set[str] | None = None
 ) -> set[tuple[int, int]]:
-    """``(in, out)`` shapes of the ``mm`` weight operands of Linears matching ``fqn_filters``."""
+    """``(in, out)`` shapes of the ``mm`` weight operands of Linears matching ``fqn_filters``
+    (the filters that matched are added to ``matched``)."""
     shapes: set[tuple[int, int]] = set()
     if not fqn_filters:
         return shapes
     for name, sub in block.named_modules():
         fqn = f"{base_fqn}.{name}" if name else base_fqn
-        if not any(f in fqn for f in fqn_filters):
+        hits = [f for f in fqn_filters if f in fqn]
+        if not hits:
             continue
+        if matched is not None:
+            matched.update(hits)
         if not isinstance(sub, nn.Linear):
             raise ValueError(
                 "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns must name "
@@ -299,6 +303,7 @@ def apply_ac(
     if every_n is None:
         sac_ignore_profiler_ranges()
     wrapped = 0
+    matched: set[str] = set()
     for index, (layer_id, block) in enumerate(list(layers.items())):
         if block is None:
             continue
@@ -307,6 +312,7 @@ def apply_ac(
                 block,
                 f"layers.{layer_id}",
                 ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns,
+                matched,
             )
 
             def context_fn(shapes=shapes):
@@ -322,6 +328,16 @@ def apply_ac(
             new_block = _wrap(block, ac_cfg, fqn=f"layers.{layer_id}")
         layers[layer_id] = new_block
         wrapped += 1
+    # The default names MoE's router gate, which dense models lack: only other entries count
+    unmatched = [f for f in ac_cfg.per_op_sac_force_recompute_mm_shapes_by_fqns
+                 if f not in matched and f not in defaults.per_op_sac_force_recompute_mm_shapes_by_fqns]
+    if every_n is None and unmatched and len(layers):
+        logger.warning(
+            "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns: "
+            f"{', '.join(map(repr, unmatched))} matches no module of the blocks here, so no "
+            "matmul is recomputed for it; an entry is a part of a module's name, e.g. "
+            "feed_forward.w1"
+        )
     if wrapped:
         recompute_with_forward_graphs()
     elif every_n is not None and len(layers):
