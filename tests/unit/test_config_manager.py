@@ -629,7 +629,7 @@ def test_registry_unknown_name_lists_available(tmp_path):
 def test_registry_family_debug_config_preferred(tmp_path):
     (tmp_path / "debug_model.toml").write_text("")
     assert registry.config_path("qwen9", "qwen9_debugmodel", tmp_path) == tmp_path / "debug_model.toml"
-    (tmp_path / "qwen9_debugmodel.toml").write_text("")
+    (tmp_path / "qwen9_debugmodel.toml").write_text('[model]\nname = "qwen9"\n')
     assert registry.config_path("qwen9", "qwen9_debugmodel", tmp_path) == (
         tmp_path / "qwen9_debugmodel.toml"
     )
@@ -637,6 +637,27 @@ def test_registry_family_debug_config_preferred(tmp_path):
         tmp_path / "debug_model.toml"
     )
     assert "qwen9_debugmodel" in registry.available_configs("qwen9", tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--module", "qwen3", "--config", "llama3_8b"],
+     "--module qwen3 --config llama3_8b: llama3_8b.toml trains model.name='llama3', not 'qwen3'; "
+     "qwen3's configs: qwen3_debugmodel, qwen3_debugmodel_moe (or --module llama3)"),
+    (["--module", "nosuch", "--config", "nosuch_debugmodel"],
+     "--module 'nosuch' is neither a model family (llama3, llama2, qwen3, deepseek_v3, gpt_oss) "
+     "nor an importable module of config functions"),
+])
+def test_a_module_and_a_config_of_another_family_are_refused(capsys, argv, message):
+    """``MODULE=qwen3 CONFIG=llama3_8b`` (or a module that does not exist) trained Llama 3."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("module", ["qwen3", "deepseek_v3", "gpt_oss", "llama3"])
+def test_debugmodel_of_a_module_is_its_own_debug_config(capsys, module):
+    """``--module qwen3 --config debugmodel`` gave Llama 3's debug config."""
+    assert main(["--module", module, "--config", "debugmodel"]) == 0
+    assert f'\nname = "{module}"\n' in capsys.readouterr().out
 
 
 def test_registry_register_config(tmp_path):

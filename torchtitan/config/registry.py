@@ -52,8 +52,9 @@ def config_path(module: str | None, config: str, config_dir: Path | None = None)
     if explicit is not None:
         return folder / explicit
     if config == "debugmodel" or config.endswith("_debugmodel"):
-        own = folder / f"{config}.toml"
-        return own if config != "debugmodel" and own.is_file() else folder / "debug_model.toml"
+        # a family's own debug config when it has one (qwen3_debugmodel.toml), else Llama 3's
+        own = folder / f"{config if config != 'debugmodel' else f'{module}_debugmodel'}.toml"
+        return own if own.is_file() else folder / "debug_model.toml"
     name = config[:-5] if config.endswith(".toml") else config
     return folder / f"{name}.toml"
 
@@ -64,10 +65,9 @@ def available_configs(module: str | None = None, config_dir: Path | None = None)
     names: set[str] = set()
     if folder.is_dir():
         for path in folder.glob("*.toml"):
-            if path.stem == "debug_model":
-                names.add(f"{module or 'llama3'}_debugmodel")
-            else:
-                names.add(path.stem)
+            if _checks_module(module) and _model_name(path) != module:
+                continue  # another family's config
+            names.add("llama3_debugmodel" if path.stem == "debug_model" else path.stem)
     for (mod, config), rel in _EXPLICIT.items():
         if (module is None or mod == module) and (folder / rel).is_file():
             names.add(config)
@@ -97,11 +97,64 @@ def resolve_config_source(
     else a Python function returning a JobConfig (:func:`find_config_function`)."""
     path = config_path(module, config, config_dir)
     if path.is_file():
+        _check_module(module, config, path, config_dir)
         return path
     fn = find_config_function(module, config)
     if fn is not None:
         return fn
     return resolve_config(module, config, config_dir)  # raises, listing what exists
+
+
+def _checks_module(module: str | None) -> bool:
+    """Whether ``--module`` names a model family whose configs must train it: a built-in
+    family, or a name that is no importable module (a user's module of config functions, e.g.
+    ``my_project.configs``, may pick any bundled TOML)."""
+    from torchtitan.models import _BUILTIN_FAMILIES  # a constant: no family is imported
+
+    if module is None:
+        return False
+    if module in _BUILTIN_FAMILIES:
+        return True
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _model_name(path: Path) -> str | None:
+    """``[model] name`` of a TOML config (Llama 3 when unset), None when it cannot be read."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))
+    except (OSError, ValueError):
+        return None  # the config manager reports it when it reads the file
+    model = data.get("model")
+    return str(model.get("name", "llama3")) if isinstance(model, dict) else "llama3"
+
+
+def _check_module(module: str | None, config: str, path: Path, config_dir: Path | None) -> None:
+    """``--module qwen3 --config llama3_8b`` trained Llama 3 without a word: refuse a config
+    of another family than the module names."""
+    from torchtitan.models import _BUILTIN_FAMILIES
+
+    if not _checks_module(module):
+        return
+    if module not in _BUILTIN_FAMILIES:
+        raise ConfigError(
+            f"--module {module!r} is neither a model family ({', '.join(_BUILTIN_FAMILIES)}) "
+            "nor an importable module of config functions"
+        )
+    name = _model_name(path)
+    if name is None or name == module:
+        return
+    mine = ", ".join(available_configs(module, config_dir)) or "none bundled"
+    raise ConfigError(
+        f"--module {module} --config {config}: {path.name} trains model.name={name!r}, not "
+        f"{module!r}; {module}'s configs: {mine} (or --module {name})"
+    )
 
 
 def config_function_modules(module: str) -> list[str]:
