@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -190,8 +191,32 @@ def summarize_failure(failures: dict[int, Any], shown: set[int] | None, log_dir:
             what = oom_killed() or what
     else:
         what = f"exit code {code}"
-    print(f"error: rank {rank} failed ({what}); its output: {log_dir}", file=sys.stderr)
+    path, last = _rank_stderr(log_dir, root.local_rank)
+    said = f": {last}" if last and not isinstance(root.message, dict) else ""
+    print(f"error: rank {rank} failed ({what}){said}; its output: {path or log_dir}",
+          file=sys.stderr)
     return 128 - code if code < 0 else (code or 1)
+
+
+def _rank_stderr(log_dir: str, local_rank: int) -> tuple[str | None, str]:
+    """torchrun's ``stderr.log`` of ``local_rank`` (newest attempt) and its last line, which
+    is what the rank said last (its console may be filtered out by LOG_RANK)."""
+    import glob
+
+    found = glob.glob(os.path.join(glob.escape(log_dir), "**", "attempt_*", str(local_rank),
+                                   "stderr.log"), recursive=True)
+    if not found:
+        return None, ""
+    path = max(found, key=os.path.getmtime)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return path, ""
+    lines = [ln for ln in lines if ln]
+    last = re.sub(r"^\[[^\]]*\]:?\s*", "", lines[-1]) if lines else ""  # "[rank1]:" prefix
+    return path, (last if len(last) <= 300 else last[:297] + "...")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,6 +194,20 @@ def test_summary_of_a_crash_without_a_report(capsys):
     assert capsys.readouterr().err == "error: rank 1 failed (killed by signal SIGTERM); its output: /logs\n"
 
 
+def test_summary_of_a_rank_that_failed_without_a_report_quotes_its_last_line(tmp_path, capsys):
+    """A TRAIN_FILE script failing on rank 1 (hidden by LOG_RANK): the summary said only
+    "exit code 1" and the top log folder."""
+    log = tmp_path / "run_x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("[rank1]: Traceback (most recent call last):\n[rank1]:   File x\n"
+                   "[rank1]: ValueError: rank one has no data shard here\n\n")
+    failures = {1: _failure(1, "", exitcode=1, timestamp=3)}
+    assert summarize_failure(failures, {0}, str(tmp_path)) == 1
+    assert capsys.readouterr().err == (
+        "error: rank 1 failed (exit code 1): ValueError: rank one has no data shard here; its "
+        f"output: {log}\n")
+
+
 def test_record_error_writes_torchruns_error_file(tmp_path, monkeypatch):
     path = tmp_path / "attempt_0" / "1" / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
