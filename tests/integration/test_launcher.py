@@ -334,8 +334,8 @@ def test_slurm_two_nodes_rendezvous_and_all_reduce(tmp_path):
     calls = [json.loads(line) for line in srun_log.read_text().splitlines()]
     assert calls[0] == ["--nodes=1", "--ntasks=1", "-w", "node1", "hostname", "--ip-address"]
     torchrun = calls[1]
-    assert torchrun[:11] == [
-        "torchrun",
+    assert torchrun[1:3] == ["-m", "torchtitan.launch"]  # $PYTHON -m torchtitan.launch
+    assert torchrun[3:13] == [
         "--nnodes",
         "2",
         "--nproc_per_node",
@@ -350,14 +350,19 @@ def test_slurm_two_nodes_rendezvous_and_all_reduce(tmp_path):
 
 
 def _fake_torchrun(tmp_path: Path) -> tuple[Path, Path]:
-    """A `torchrun` that only records its argv (one JSON line per call)."""
+    """A `python` whose ``-m torchtitan.launch`` (torchrun, through the project's launcher) only
+    records its argv (one JSON line per call); anything else runs the real Python."""
+    import sys
+
     bin_dir = tmp_path / "fake_torchrun"
     bin_dir.mkdir()
     log = tmp_path / "torchrun.log"
-    script = bin_dir / "torchrun"
+    script = bin_dir / "python"
     script.write_text(
-        "#!/usr/bin/env python3\nimport json, os, sys\n"
-        f"open({str(log)!r}, 'a').write(json.dumps([os.environ['SLURM_NODEID'], *sys.argv[1:]]) + '\\n')\n"
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "if sys.argv[1:3] != ['-m', 'torchtitan.launch']:\n"
+        f"    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n"
+        f"open({str(log)!r}, 'a').write(json.dumps([os.environ['SLURM_NODEID'], *sys.argv[3:]]) + '\\n')\n"
     )
     script.chmod(0o755)
     return bin_dir, log
@@ -399,7 +404,7 @@ def test_slurm_head_node_address_and_module_config(tmp_path, node_ip, endpoint_h
         "--x.y",
         "1",
     ]
-    assert args[-8] == "-m"
+    assert args[-9:-7] == ["--", "-m"]
 
 
 def test_slurm_outside_an_allocation_fails_clearly(tmp_path):
@@ -412,13 +417,33 @@ def test_slurm_outside_an_allocation_fails_clearly(tmp_path):
     ("overrides", "message"),
     [({"MODULE": "llama3"}, "set both MODULE and CONFIG"),
      ({"CONFIG_FILE": "./train_configs/llama3_8b.toml", "MODULE": "llama3",
-       "CONFIG": "llama3_70b"}, "set CONFIG_FILE or MODULE+CONFIG, not both")],
+       "CONFIG": "llama3_70b"}, "set CONFIG_FILE or MODULE+CONFIG, not both"),
+     # each was passed on to every node, which failed (or waited) there
+     ({"CONFIG_FILE": "/nope.toml"}, "CONFIG_FILE '/nope.toml' is not a file"),
+     ({"GPUS_PER_NODE": "abc"}, "GPUS_PER_NODE must be a positive integer (ranks per node), "
+                                "got 'abc'"),
+     ({"GPUS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "4"},
+      "GPUS_PER_NODE=8 ranks per node, but the allocation has 4 GPUs per node"),
+     ({"RDZV_PORT": "99999x"}, "RDZV_PORT must be a TCP port (1-65535), got '99999x'"),
+     ({"SLURM_NNODES": "5"}, "SLURM_NNODES=5, but the node list 'gpu[01-02]' has 2 nodes"),
+     ({"TRAIN_FILE": "nope.py"}, "TRAIN_FILE 'nope.py' does not exist"),
+     ({"TRAIN_FILE": "no.such.module"}, "TRAIN_FILE 'no.such.module' is neither a .py file nor "
+                                        "a module Python can import")],
 )
 def test_slurm_config_choice_that_would_ignore_a_setting_is_refused(tmp_path, overrides,
                                                                      message):
     fake_bin, log = _fake_torchrun(tmp_path)
-    env = _env(tmp_path, extra_path=[fake_bin, STUBS], SLURM_JOB_NODELIST="gpu[01-02]",
-               SLURM_NNODES=2, STUB_NODE_IP="10.0.0.1", **overrides)
+    settings = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": 2, "STUB_NODE_IP": "10.0.0.1",
+                **overrides}
+    env = _env(tmp_path, extra_path=[fake_bin, STUBS], **settings)
     res = _run(["bash", "multinode_trainer.slurm"], env)
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert not log.exists()  # no torchrun started
+
+
+def test_slurm_help_is_printed_here_not_launched(tmp_path):
+    fake_bin, log = _fake_torchrun(tmp_path)
+    env = _env(tmp_path, extra_path=[fake_bin, STUBS], SLURM_JOB_NODELIST="gpu[01-02]")
+    res = _run(["bash", "multinode_trainer.slurm", "--help"], env)
+    assert res.returncode == 0 and "sbatch multinode_trainer.slurm [trainer flags...]" in res.stdout
+    assert not log.exists()
