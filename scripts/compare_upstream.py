@@ -125,9 +125,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not sep or not name.strip().isidentifier() or not flags.strip():
             p.error(f"--ours-variant {spec!r}: expected NAME=FLAGS, e.g. "
                     "'logits=--training.loss_implementation logits'")
-        args.variants[name.strip()] = shlex.split(flags)
-    args.both_flags = shlex.split(args.both_flags)
+        args.variants[name.strip()] = _split_flags(p, "--ours-variant", flags)
+    args.both_flags = _split_flags(p, "--both-flags", args.both_flags)
     return args
+
+
+def _split_flags(parser: argparse.ArgumentParser, option: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # e.g. an unbalanced quote: one line, not a traceback
+        parser.error(f"{option} {text!r} cannot be split into flags: {err}")
 
 
 def sides(args, repeat: int) -> list[str]:

@@ -191,6 +191,14 @@ def argument_error(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
             return f"--{name} must be a finite number >= 0, got {value}"
+    for name in ("flags", "a", "b"):
+        try:
+            words = shlex.split(getattr(args, name))
+        except ValueError as err:  # e.g. an unbalanced quote
+            return f"--{name} {getattr(args, name)!r} cannot be split into flags: {err}"
+        if any(w.split("=", 1)[0] == "--training.steps" for w in words):
+            # the script sets the steps after these flags: the trainer would take its value
+            return f"--{name} sets --training.steps, which this script sets itself: use --steps"
     if not (ROOT / args.config).is_file():  # the runs start in the repository root
         return f"--config {args.config} does not exist (relative paths start at {ROOT})"
     if args.b_rev is not None:

@@ -84,6 +84,11 @@ def help_examples() -> list[list[str]]:
         (["--atol", "nan"], "--atol must be a finite number >= 0, got nan"),
         (["--config", "no/such.toml"], "--config no/such.toml does not exist"),
         (["--b-rev", "no-such-revision"], "--b-rev no-such-revision is not a commit"),
+        # a traceback from shlex; a steps flag the script's own --steps silently replaced
+        (["--flags", '--training.seq_len "64'], "--flags '--training.seq_len \"64' cannot be "
+                                                 "split into flags: No closing quotation"),
+        (["--a", "--training.steps 3"], "--a sets --training.steps, which this script sets "
+                                        "itself: use --steps"),
     ],
 )
 def test_bad_arguments_are_one_line_before_any_run(argv, message, tmp_path, capsys, monkeypatch):

@@ -216,6 +216,11 @@ def test_ours_variant_adds_flags_and_a_run_per_setting(cu, tmp_path, capsys):
         cu.parse_args(["--ours-variant", "no flags here"])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: --ours-variant 'no flags here': expected")
+    with pytest.raises(SystemExit) as e:  # a shlex traceback before
+        cu.parse_args(["--both-flags", '--x "y'])
+    assert e.value.code == 2
+    assert "error: --both-flags '--x \"y' cannot be split into flags: No closing quotation" in \
+        capsys.readouterr().err
 
 
 def test_both_flags_reach_every_run_of_both_sides(cu, tmp_path):
