@@ -123,13 +123,11 @@ def _checks_module(module: str | None) -> bool:
 
 def _model_name(path: Path) -> str | None:
     """``[model] name`` of a TOML config (Llama 3 when unset), None when it cannot be read."""
+    from torchtitan.config.toml_io import read_toml
+
     try:
-        import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))
-    except (OSError, ValueError):
+        data = read_toml(str(path))
+    except ConfigError:
         return None  # the config manager reports it when it reads the file
     model = data.get("model")
     return str(model.get("name", "llama3")) if isinstance(model, dict) else "llama3"
