@@ -18,6 +18,7 @@ NEEDS_TORCHFT = [
     "tests/unit/test_fault_tolerance_parts.py::test_preflight_reaches_the_lighthouse",
     "tests/unit/test_fault_tolerance_parts.py::test_preflight_names_an_address_that_is_not_a_lighthouse",
     "tests/unit/test_fault_tolerance_parts.py::test_a_lighthouse_that_does_not_answer_yet_is_a_warning_not_a_refusal",
+    "tests/unit/test_fault_tolerance_parts.py::test_a_group_of_one_process_starts_without_torchrun",
 ]
 
 
