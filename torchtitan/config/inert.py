@@ -41,6 +41,14 @@ def _checkpoints(cfg: Any) -> bool:
     return cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint
 
 
+def _with_checkpoints(active: Callable[[Any], bool], why: Callable[[Any], str]
+                      ) -> tuple[Callable[[Any], bool], Callable[[Any], str]]:
+    """A checkpoint setting that acts only with checkpoints on and ``active``; the line names
+    checkpoint.enable first when that is what is off."""
+    return (lambda cfg: _checkpoints(cfg) and active(cfg),
+            lambda cfg: why(cfg) if _checkpoints(cfg) else _switch("checkpoint", "enable")[1](cfg))
+
+
 def _degree(key: str) -> tuple[Callable[[Any], bool], Callable[[Any], str]]:
     return (lambda cfg: getattr(cfg.parallelism, key) > 1,
             lambda cfg: f"parallelism.{key}={getattr(cfg.parallelism, key)}")
@@ -78,16 +86,13 @@ INERT_RULES: list[tuple[tuple[str, ...], Callable[[Any], bool], Callable[[Any], 
                                        "enable_first_step_checkpoint", "load_only")),
      _checkpoints,
      _switch("checkpoint", "enable")[1]),
-    (("checkpoint.export_dtype",),
-     lambda cfg: _checkpoints(cfg) and (cfg.checkpoint.last_save_model_only
-                                        or cfg.checkpoint.last_save_in_hf),
-     lambda cfg: _switch("checkpoint", "enable")[1](cfg) if not _checkpoints(cfg) else
-     "it is the dtype of a last save holding the model only, and "
-     "checkpoint.last_save_model_only and checkpoint.last_save_in_hf are off (the full "
-     "checkpoints keep the float32 weights training resumes from)"),
-    (("checkpoint.last_save_in_hf_allow_lossy",),
-     lambda cfg: _checkpoints(cfg) and cfg.checkpoint.last_save_in_hf,
-     lambda cfg: _switch("checkpoint", "enable" if not _checkpoints(cfg) else "last_save_in_hf")[1](cfg)),
+    (("checkpoint.export_dtype",), *_with_checkpoints(
+        lambda cfg: cfg.checkpoint.last_save_model_only or cfg.checkpoint.last_save_in_hf,
+        lambda cfg: "it is the dtype of a last save holding the model only, and "
+                    "checkpoint.last_save_model_only and checkpoint.last_save_in_hf are off (the "
+                    "full checkpoints keep the float32 weights training resumes from)")),
+    (("checkpoint.last_save_in_hf_allow_lossy",), *_with_checkpoints(
+        lambda cfg: cfg.checkpoint.last_save_in_hf, _switch("checkpoint", "last_save_in_hf")[1])),
     (("profiling.save_traces_folder", "profiling.profiler_active", "profiling.profiler_warmup"),
      *_switch("profiling", "enable_profiling")),
     (("profiling.profile_freq",),
