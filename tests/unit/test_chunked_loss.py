@@ -67,6 +67,45 @@ def test_compiled_chunk_math_equals_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_compiled_chunk_writes_its_gradient_over_the_logits():
+    """Inductor's code for a chunk allocates nothing of the chunk's [tokens, vocab] size (the
+    eager math holds a float32 copy of it, gigabytes at a 128k vocabulary) and gives the eager
+    math's loss and gradient."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from torchtitan.components import chunked_loss
+
+    n, v = 24, 301
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[:3] = IGNORE_INDEX
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(n, v, generator=g).mul_(4).to(dtype)
+        want_loss, want_grad = chunked_loss._chunk_loss_and_grad(logits.clone(), labels, dtype)
+        torch._dynamo.reset()
+        fn = torch.compile(chunked_loss._chunk_loss_grad_into_logits, backend="inductor")
+        got = logits.clone()
+        loss, code = run_and_get_code(fn, got, labels)
+        buffers = re.findall(r"empty_strided\w*\(\(([^)]*)\)", "\n".join(code))
+        assert buffers and all(f"{n}, {v}" not in shape for shape in buffers), buffers
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got, want_grad, rtol=0, atol=1e-6)
+
+
+def test_backward_scales_in_place_once():
+    """The backward scales the gradients computed in the forward in place: a second backward
+    through the same graph is torch's error, never gradients scaled twice."""
+    h, w, labels = _inputs()
+    loss = linear_cross_entropy_sum(h, w, labels, 16)
+    (loss * 0.5).backward(retain_graph=True)
+    first = w.grad.clone()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss * 0.5).backward()
+    torch.testing.assert_close(w.grad, first)
+
+
 def test_no_grad_gives_the_loss_only():
     h, w, labels = _inputs(2)
     with torch.no_grad():

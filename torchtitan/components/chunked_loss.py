@@ -54,9 +54,37 @@ def _chunk_loss_and_grad(
     return loss, grad.to(grad_dtype)
 
 
+def _chunk_loss_grad_into_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`_chunk_loss_and_grad` written for the compiler: the same values, but the
+    gradient of the logits overwrites ``logits`` (in its dtype) and nothing else of the
+    chunk's size is allocated: compiled, a reduction for the log-sum-exp and one pointwise
+    kernel that reads each logit in its dtype and writes its gradient in place (the eager
+    version's float32 copy of the chunk never exists)."""
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0).sum()
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == safe[:, None]
+    grad = torch.where(valid[:, None], torch.exp(x - lse[:, None]) - onehot.to(x.dtype), 0.0)
+    logits.copy_(grad)
+    return loss
+
+
 @functools.cache
-def _compiled_chunk_loss_and_grad(backend: str) -> Callable:
-    return torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
+def _compiled_chunk_loss_grad_into_logits(backend: str) -> Callable:
+    return torch.compile(_chunk_loss_grad_into_logits, backend=backend, dynamic=False)
+
+
+def _chunk_loss_and_grad_any(
+    logits: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype, compiled: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's loss and the gradient of its logits: compiled (``compiled``: a backend)
+    in ``logits``' own storage, else eagerly."""
+    if compiled and logits.dtype == grad_dtype:
+        return _compiled_chunk_loss_grad_into_logits(compiled)(logits, labels), logits
+    return _chunk_loss_and_grad(logits, labels, grad_dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -73,16 +101,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h_c, labels_c = h[start:start + chunk_size], labels[start:start + chunk_size]
             logits = h_c @ weight.t()
             if tp_group is None:
-                fn = _compiled_chunk_loss_and_grad(compiled) if compiled else _chunk_loss_and_grad
-                loss_c, grad_logits = fn(logits, labels_c, h.dtype)
+                loss_c, grad_logits = _chunk_loss_and_grad_any(logits, labels_c, h.dtype, compiled)
             else:
                 loss_c, grad_logits = _vocab_parallel_chunk(
                     logits, labels_c, h.dtype, tp_group, vocab_start
                 )
+            del logits  # (eagerly, a chunk's worth of memory less during the matmuls below)
             loss += loss_c
             if need_grad:
                 grad_h[start:start + chunk_size] = grad_logits @ weight
                 grad_w = _add_weight_grad(grad_w, grad_logits, h_c)
+            del grad_logits
         if need_grad:
             if grad_w is None:  # no tokens
                 grad_w = torch.zeros_like(weight)
@@ -91,9 +120,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # scaled in place: no second weight-sized gradient at the start of the backward (a
+        # second backward through the same graph then fails torch's saved-tensor version
+        # check instead of scaling twice); the foreach kernel reads the device scalar
+        # vectorised, where a broadcast multiply takes torch's strided path
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss.to(grad_h.dtype)
-        return grad_h * scale, grad_w * scale.to(grad_w.dtype), None, None, None, None, None
+        torch._foreach_mul_([grad_h], scale)
+        torch._foreach_mul_([grad_w], scale.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _add_weight_grad(
