@@ -7,7 +7,7 @@ float32 cross-entropy, compiled as the trainer compiles it) against the chunked 
         --dtype bfloat16 --compile                         # Llama 3 8B's output layer, seq 4096 x 2
 
 Peak memory is what the path adds above its inputs: on CUDA the allocator's peak, on the CPU
-the largest total of live tensors the path's ops created (a dispatch mode counts them). One
+the allocator's peak as torch.profiler's memory reporting sees it (compiled code's buffers too). One
 JSON line at the end holds every figure.
 """
 
@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-import weakref
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +24,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from torchtitan.components.chunked_loss import linear_cross_entropy_sum  # noqa: E402
 from torchtitan.components.loss import build_cross_entropy_loss  # noqa: E402
@@ -34,37 +32,7 @@ from torchtitan.tools.cli_args import (  # noqa: E402
     non_negative_int,
     positive_int,
 )
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensors created under it that are alive at once (CPU stand-in for
-    the CUDA allocator's peak)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._seen or storage.nbytes() == 0:
-            return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, storage.nbytes())
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
+from torchtitan.tools.memory_compare import cpu_peak_added_bytes  # noqa: E402
 
 
 def _paths(args, h, w, labels):
@@ -112,9 +80,7 @@ def measure(args) -> dict:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
         else:
-            with _LiveBytes() as live:
-                step()
-            peak = live.peak
+            peak = cpu_peak_added_bytes(step)
         loss = float(fn().detach())
         results[name] = {"seconds": sorted(times)[len(times) // 2], "peak_bytes": peak,
                          "loss": loss}

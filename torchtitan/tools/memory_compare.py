@@ -129,6 +129,40 @@ def held_bytes(run, batches) -> int:
     return sum(storages.values())
 
 
+def cpu_allocations(prof) -> list[tuple[int, int, int, int]]:
+    """The CPU allocator's events in a finished ``torch.profiler.profile(profile_memory=True)``
+    as sorted ``(time_ns, size, running total, step)`` (``size`` negative for a free; ``step``:
+    the innermost enclosing ``record_function`` mark of :class:`_CpuPeak`, else -1). Buffers
+    that compiled code allocates count too (a dispatch mode would not see them)."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int, int, int]] = []
+
+    def walk(nodes, step: int) -> None:
+        for e in nodes:
+            if e.name.startswith(_STEP_MARK):
+                step = int(e.name[len(_STEP_MARK):])
+            if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+                alloc = e.typed[1]
+                events.append((e.start_time_ns, alloc.alloc_size, alloc.total_allocated, step))
+            walk(e.children, step)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree(), -1)
+    return sorted(events)
+
+
+def cpu_peak_added_bytes(fn) -> int:
+    """The most bytes the CPU allocator held above its level at the start while ``fn()`` ran
+    (torch.profiler's memory reporting)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = cpu_allocations(prof)
+    base = events[0][2] - events[0][1] if events else 0
+    return max([total - base for _, _, total, _ in events] + [0])
+
+
 class _CpuPeak:
     """CPU stand-in: the allocator's live bytes at their peak, from the profiler's memory
     reporting, over the held storages."""
@@ -159,21 +193,7 @@ class _CpuPeak:
         self._profile.__exit__(*exc)
 
     def result(self) -> RealPeak:
-        from torch._C._profiler import _EventType
-
-        events: list[tuple[int, int, int, int]] = []  # (time, size, total, step)
-
-        def walk(nodes, step: int) -> None:
-            for e in nodes:
-                if e.name.startswith(_STEP_MARK):
-                    step = int(e.name[len(_STEP_MARK):])
-                if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
-                    alloc = e.typed[1]
-                    events.append((e.start_time_ns, alloc.alloc_size, alloc.total_allocated, step))
-                walk(e.children, step)
-
-        walk(self._profile.profiler.kineto_results.experimental_event_tree(), -1)
-        events.sort()
+        events = cpu_allocations(self._profile)
         # The reporter's running total may start above 0 (blocks of earlier sessions).
         base = events[0][2] - events[0][1] if events else 0
         per_step = [0] * self.steps
