@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -164,3 +165,26 @@ def test_mfu_peak_follows_the_dtype_the_model_computes_in(degrees, dtype, mp, ex
     metrics = MetricsProcessor(cfg, rank=0, compute_dtype=compute_dtype(cfg.training, dims))
     # float32: torch's default matmul precision ("highest") runs no TF32
     assert metrics.peak_flops == {"float32": 67.0e12, "bfloat16": 989.5e12}[expected]
+
+
+@pytest.mark.parametrize("user_env", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_cuda_allocator_default_leaves_a_users_setting(monkeypatch, user_env):
+    """Expandable segments unless the user configured the allocator (to anything)."""
+    import torch
+
+    from torchtitan.tools import device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append,
+                        raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if user_env:
+        monkeypatch.setenv(user_env, "expandable_segments:False")
+    set_it = device.default_cuda_allocator()
+    assert set_it == (user_env is None)
+    if user_env is None:
+        assert calls == ["expandable_segments:True"]
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    else:
+        assert calls == [] and os.environ[user_env] == "expandable_segments:False"
