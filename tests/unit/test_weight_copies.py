@@ -20,6 +20,7 @@ from torchtitan.components.weight_copies import (
     WeightCopies,
     build_weight_copies,
     choose_weight_copies,
+    uncopied_float8_linears,
 )
 from torchtitan.config.manager import ConfigManager
 from torchtitan.distributed import utils as dist_utils
@@ -186,6 +187,21 @@ def test_tied_and_converted_weights_are_not_copied():
     assert copies.modules == [model.proj]
 
 
+def test_auto_leaves_float8_linears_to_cast_their_own_weights():
+    """A Float8Linear's copy is memory the plain float8 path never holds: only ``on`` (the
+    builder's ``float8=True``) copies it; plain linears are copied either way."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
+    model.add_module("head", nn.Linear(16, 8, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True),
+                               module_filter_fn=lambda m, fqn: fqn != "head")
+    assert build_weight_copies([model], torch.bfloat16, float8=False).modules == [model.head]
+    assert build_weight_copies([model], torch.bfloat16).modules == list(model)
+    assert uncopied_float8_linears([model]) == 2
+
+
 def test_fake_weights_are_copied_and_wrapper_subclass_weights_are_not():
     """The memory estimator builds the model on fake tensors: its linears count their copies.
     A weight that is a wrapper subclass (DTensor, float8 all-gather weights) converts itself."""
@@ -272,8 +288,12 @@ def test_on_cuda_compiled_training_with_copies_equals_the_autocast_path(tmp_path
     copies = run_tiny(tmp_path / "copies", *flags)
     gc.enable()
     assert plain.run.weight_copies is None and len(copies.run.weight_copies) > 0
-    if converter:
-        assert len(copies.run.weight_copies) == 15  # 14 float8 linears and the output head
+    if converter:  # auto: the output head only; on: the 14 float8 linears too
+        assert len(copies.run.weight_copies) == 1
+        every = run_tiny(tmp_path / "every", *flags, "--training.weight_copies", "on")
+        assert len(every.run.weight_copies) == 15
+        for a, b in zip(every.history, plain.history):
+            assert a == pytest.approx(b, rel=1e-4)
     assert module._compiled_step is not None
     for a, b in zip(copies.history, plain.history):
         assert a == pytest.approx(b, rel=1e-4)

@@ -5,14 +5,20 @@ Under autocast (one device: no FSDP, no data, tensor, context or pipeline parall
 forward casts each float32 matmul weight to the compute dtype (read 4 bytes, write 2 per
 parameter), the backward casts each weight gradient back to float32 (read 2, write 4), and
 the gradient norm and the optimizer read float32 gradients (4 bytes each). With copies, each
-plain ``nn.Linear`` weight (and the decoder's untied output projection, and torchao's
-``Float8Linear`` weights of a float8 run) has a copy in the compute dtype: during the step (:meth:`WeightCopies.active`: forward, backward, the gradient
-norm) the module holds its copy as its ``weight``, so autocast finds it already cast, its
+plain ``nn.Linear`` weight (and the decoder's untied output projection; with ``on``, torchao's
+``Float8Linear`` weights of a float8 run too) has a copy in the compute dtype: during the step
+(:meth:`WeightCopies.active`: forward, backward, the gradient norm) the module holds its copy as its ``weight``, so autocast finds it already cast, its
 gradient stays in the compute dtype (the same values: autocast's cast back to float32 is
 exact), the norm reads it with float32 accumulation, and the optimizer step reads it, updates
 the float32 weight and its state in float32 and writes the new copy in the same kernel
 (:class:`~torchtitan.components.adamw_bf16_state.AdamBF16State`). About 14 bytes of memory
 traffic less per weight and step, and half the gradient memory.
+
+Memory: a plain linear's copy takes the place of the cast autocast would hold from the forward
+to the backward anyway, so ``auto`` costs no memory at the peak. A ``Float8Linear`` casts its
+float32 weight straight to float8, so its copy (2 bytes a parameter, for the whole run) is
+memory the plain float8 path never holds: only ``on`` copies those (faster casts and bfloat16
+gradients for that memory).
 
 Outside :meth:`~WeightCopies.active` the float32 weights are the modules' parameters as
 always: checkpoints, the optimizer's state, exports and the memory figures see them. A copy
@@ -40,6 +46,7 @@ __all__ = [
     "build_weight_copies",
     "check_weight_copies",
     "choose_weight_copies",
+    "uncopied_float8_linears",
     "weight_copies_obstacle",
 ]
 
@@ -115,7 +122,7 @@ def _float8_linear_type() -> type | None:
     return getattr(module, "Float8Linear", None)
 
 
-def _copyable(module: nn.Module) -> bool:
+def _copyable(module: nn.Module, float8: bool = True) -> bool:
     """A plain ``nn.Linear`` (or the decoder's output head), whose forward is ``F.linear`` on
     its weight, or torchao's ``Float8Linear``, which casts its weight to float8 in the forward
     and returns its gradient in the compute dtype: with a copy, the cast reads 2 bytes a
@@ -127,7 +134,7 @@ def _copyable(module: nn.Module) -> bool:
     from torchtitan.models.common.decoder import OutputHead
 
     weight = getattr(module, "weight", None)
-    kinds = (nn.Linear, OutputHead, _float8_linear_type())
+    kinds = (nn.Linear, OutputHead, _float8_linear_type() if float8 else None)
     return (type(module) in kinds and isinstance(weight, torch.Tensor)
             and not is_traceable_wrapper_subclass(weight) and weight.dtype == torch.float32)
 
@@ -141,13 +148,21 @@ def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype) -> WeightCopies:
+def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype,
+                        float8: bool = True) -> WeightCopies:
     """Copies of every copyable module's weight in ``model_parts`` (tied weights excluded:
-    the embedding reads them too)."""
+    the embedding reads them too; ``float8=False``: ``Float8Linear`` weights excluded)."""
     shared = _shared_weights(model_parts)
     modules = [m for part in model_parts for m in part.modules()
-               if _copyable(m) and id(m.weight) not in shared]
+               if _copyable(m, float8) and id(m.weight) not in shared]
     return WeightCopies(modules, dtype)
+
+
+def uncopied_float8_linears(model_parts: Sequence[nn.Module]) -> int:
+    """How many ``Float8Linear`` modules ``on`` would copy besides what ``auto`` copies."""
+    kind = _float8_linear_type()
+    return 0 if kind is None else sum(
+        1 for part in model_parts for m in part.modules() if type(m) is kind and _copyable(m))
 
 
 def weight_copies_obstacle(cfg: Any, parallel_dims: Any, autocast: torch.dtype | None,
