@@ -160,6 +160,29 @@ def test_never_materialises_the_logits():
     assert chunked.largest == max(8 * V, V * D, tokens * D)
 
 
+def test_chunks_sum_the_weight_gradient_in_the_compute_dtype():
+    """With several bf16 chunks no float32 tensor of the weight's size is made (that buffer is
+    gigabytes at a 128k vocabulary), and the gradient stays within bf16 rounding of the
+    one-chunk path's."""
+    h, w, labels = _inputs(5, torch.bfloat16)
+    one = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, B * S), h, w)
+
+    class _Float32Sizes(TorchDispatchMode):
+        sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.sizes.append(t.numel())
+            return out
+
+    with _Float32Sizes() as seen:
+        chunked = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, labels, 8), h, w)
+    assert max(seen.sizes) < V * D
+    torch.testing.assert_close(chunked[2], one[2], rtol=2e-2, atol=2e-2)
+
+
 def _tiny_decoder():
     from torchtitan.models import get_model_spec
 

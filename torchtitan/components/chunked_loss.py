@@ -8,7 +8,8 @@ gradient of the logits (``softmax - onehot``), and folds that gradient straight 
 gradients of the hidden states and of the weight. The backward only scales those by the
 incoming gradient (a scalar). Same matmuls as the plain path, no recomputation; the numbers
 equal the plain path's within float rounding (the gradient of the logits is rounded to the
-compute dtype before the loss scale is applied instead of after).
+compute dtype before the loss scale is applied instead of after; with several chunks, the
+weight's gradient is rounded to the compute dtype once per chunk).
 
 Under tensor parallelism the weight is a ``DTensor`` sharded over the vocabulary (``Shard(0)``)
 and the hidden states arrive sequence-sharded: the chunk's max, sum of exponentials and label
@@ -134,14 +135,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _add_weight_grad(
     acc: torch.Tensor | None, grad_logits: torch.Tensor, h: torch.Tensor
 ) -> torch.Tensor:
-    """``acc + grad_logits.T @ h``: the first chunk's product as it is (one chunk: exactly the
-    plain path's matmul), later chunks summed in float32 (on CUDA inside the matmul)."""
+    """``acc + grad_logits.T @ h`` in the compute dtype: the first chunk's product as it is
+    (one chunk: exactly the plain path's matmul), later chunks added in place by the matmul
+    (which sums in float32 and rounds once per chunk): no weight-sized float32 buffer, and
+    the gradient is held in the dtype it ends in anyway."""
     if acc is None:
         return grad_logits.t() @ h
-    acc = acc.float()
-    if acc.is_cuda and h.dtype != torch.float32:
-        return torch.addmm(acc, grad_logits.t(), h, out_dtype=torch.float32)
-    return acc.add_((grad_logits.t() @ h).float())
+    return acc.addmm_(grad_logits.t(), h)
 
 
 def _vocab_parallel_chunk(
