@@ -18,7 +18,8 @@ to step 3 (redrawn while it is refused as a user error). Verdicts:
 * ``BUG``: anything else (a traceback, another exit code, a hang past ``--timeout``); the
   run's whole output is kept next to its dump folder as ``<dump>.log``.
 
-Exits 1 when any trial is a BUG.
+Exits 1 when any trial is a BUG, or when no run trained (every layout refused: nothing was
+tested); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -197,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", default="/tmp/layout_sweep", help="dump folders go here")
     add_models_argument(parser)
     args = parser.parse_args(argv)
+    folder = Path(args.folder)
+    if folder.exists() and not folder.is_dir():
+        print(f"error: --folder {folder} is a file; the dump folders go in a folder",
+              file=sys.stderr)
+        return 2
     rng = random.Random(args.seed)
     verdicts: list[str] = []
     for trial in range(args.trials):
@@ -216,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     counts = {v: verdicts.count(v) for v in ("ok", "user-error", "BUG")}
     print(f"\n{len(verdicts)} runs: {counts['ok']} ok, {counts['user-error']} user errors, "
           f"{counts['BUG']} BUG")
-    return 1 if counts["BUG"] else 0
+    if counts["BUG"]:
+        return 1
+    if not counts["ok"]:  # every run refused: nothing trained, nothing resumed
+        print("error: no run trained: every layout drawn was refused as a user error, so the "
+              "sweep tested nothing (the refusals are above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

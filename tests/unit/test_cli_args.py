@@ -84,3 +84,20 @@ def test_layout_sweep_draws_expert_parallelism_only_where_it_fits():
     four = [sweep.draw_layout(rng, [], True, 2, ngpus=(4,))[1] for _ in range(100)]
     assert len([f for f in four if "--parallelism.expert_parallel_degree" in f]) > 20
     assert "train_configs/gpt_oss_debugmodel.toml" in [m[0] for m in sweep.MODELS]
+
+
+def test_layout_sweep_that_trained_nothing_fails(monkeypatch, tmp_path, capsys):
+    """A sweep whose every run was refused tested nothing: exit 1 with one error line, not a
+    green 0; a --folder that is a file is refused before any run."""
+    sweep = load_script("layout_sweep")
+    monkeypatch.setattr(sweep, "run", lambda *args, **kwargs: "user-error")
+    assert sweep.main(["--trials", "2", "--folder", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no run trained")
+    monkeypatch.setattr(sweep, "run", lambda *args, **kwargs: "ok")
+    assert sweep.main(["--trials", "1", "--folder", str(tmp_path)]) == 0
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert sweep.main(["--trials", "1", "--folder", str(a_file)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --folder {a_file} is a file")
+    assert a_file.read_text() == "mine"
