@@ -31,6 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_upstream_report as report  # noqa: E402
 import compare_upstream_setup as setup  # noqa: E402
 
+sys.path.insert(0, str(setup.REPO_ROOT))  # a checkout run without installing it
+from torchtitan.tools.cli_args import (  # noqa: E402
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
+
 REPO_ROOT = setup.REPO_ROOT
 AC_NONE = ("--activation_checkpoint.mode", "none")
 
@@ -87,21 +94,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/compare_upstream"),
                    help="installs, scratch folder, logs and dump folders (default %(default)s)")
     p.add_argument("--flavor")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch", type=int, help="training.local_batch_size")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--log-freq", type=int)
-    p.add_argument("--warmup", type=int, help="average the logged steps after this step")
+    p.add_argument("--seq-len", type=positive_int)
+    p.add_argument("--batch", type=positive_int, help="training.local_batch_size")
+    p.add_argument("--steps", type=positive_int)
+    p.add_argument("--log-freq", type=positive_int)
+    p.add_argument("--warmup", type=non_negative_int,
+                   help="average the logged steps after this step")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--settings", help=f"comma separated, of {','.join(SETTINGS)}")
-    p.add_argument("--repeats", type=int, default=1, help="runs per side and setting")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per side and setting")
     p.add_argument("--ours-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run this project with FLAGS added (e.g. 'logits=--training."
                    "loss_implementation logits', to measure one lever); a row per variant")
     p.add_argument("--both-flags", default="", metavar="FLAGS",
                    help="flags both trainers get on every run (e.g. '--profiling."
                         "enable_profiling --profiling.profile_freq 20': both spell them alike)")
-    p.add_argument("--run-timeout", type=float, default=300, help="seconds per trainer run")
+    p.add_argument("--run-timeout", type=positive_float, default=300,
+                   help="seconds per trainer run")
     p.add_argument("--out", type=Path, help="write the markdown table (for docs/performance.md)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--fetch-wheels", type=Path, metavar="DIR",
@@ -116,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--settings: unknown {unknown}; choose from {','.join(SETTINGS)}")
     if args.warmup >= args.steps:
         p.error(f"--warmup {args.warmup} leaves no logged step of --steps {args.steps}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    _check_paths(p, args)
+    if args.fetch_wheels is None:
+        _check_flavor(p, args.flavor)
     args.target = args.target or args.work_dir / "site"
     args.variants = {}
     for spec in args.ours_variant:
@@ -128,6 +138,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants[name.strip()] = _split_flags(p, "--ours-variant", flags)
     args.both_flags = _split_flags(p, "--both-flags", args.both_flags)
     return args
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
+
+
+def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The folders and files the run would use, checked before anything runs (--dry-run too)."""
+    if args.wheels is not None and not args.wheels.is_dir():
+        p.error(f"--wheels {args.wheels} is not a folder (fill one with --fetch-wheels DIR)")
+    if args.upstream_wheel is not None and not args.upstream_wheel.is_file():
+        p.error(f"--upstream-wheel {args.upstream_wheel} is not a file")
+    for option, folder in (("--work-dir", args.work_dir), ("--target", args.target),
+                           ("--fetch-wheels", args.fetch_wheels)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            p.error(f"{option} {folder} is a file, not a folder")
+    if args.out is not None:
+        if args.out.is_dir():
+            p.error(f"--out {args.out} is a folder; give the table's file name")
+        if not args.out.parent.is_dir():
+            p.error(f"--out {args.out}: its folder {args.out.parent} does not exist")
+
+
+def _check_flavor(p: argparse.ArgumentParser, flavor: str) -> None:
+    """A Llama 3 flavor both sides know (the project's, plus scripts/benchmark_flavors.py's)."""
+    import benchmark_flavors  # noqa: F401  (adds the 8B_<n>layers flavors)
+
+    from torchtitan.models.llama3 import llama3_args
+
+    if flavor not in llama3_args:
+        p.error(f"--flavor {flavor!r} is no Llama 3 flavor; choose from "
+                f"{', '.join(sorted(llama3_args))}")
 
 
 def _split_flags(parser: argparse.ArgumentParser, option: str, text: str) -> list[str]:

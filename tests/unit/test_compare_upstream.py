@@ -122,6 +122,27 @@ def test_cpu_smoke_defaults_and_one_line_errors(cu, tmp_path, capsys):
         "error: model.converters float8 needs a GPU")
 
 
+@pytest.mark.parametrize("make_argv, expected", [
+    (lambda t: ["--flavor", "8B_3layers"], "error: --flavor '8B_3layers' is no Llama 3 flavor"),
+    (lambda t: ["--batch", "-1"], "error: argument --batch: must be >= 1, got -1"),
+    (lambda t: ["--run-timeout", "0"], "error: argument --run-timeout: must be > 0"),
+    (lambda t: ["--work-dir", str(t / "a_file")], "error: --work-dir {t}/a_file is a file"),
+    (lambda t: ["--wheels", str(t / "none")], "error: --wheels {t}/none is not a folder"),
+    (lambda t: ["--out", str(t / "none" / "table.md")], "error: --out {t}/none/table.md: its "
+     "folder {t}/none does not exist"),
+    (lambda t: ["--out", str(t)], "error: --out {t} is a folder"),
+])
+def test_dry_run_checks_its_arguments_too(cu, tmp_path, capsys, make_argv, expected):
+    """What a run would trip over is one line before anything runs, --dry-run included."""
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        cu.main(["--dry-run", *make_argv(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(expected.format(t=tmp_path)), err
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
 def test_tokenizer_json_matches_our_tiktoken_ids(cu, tmp_path, tiktoken_tokenizer):
     tokenizers = pytest.importorskip("tokenizers")
     assert cu.setup.tiktoken_to_tokenizer_json(TIKTOKEN_FILE, tmp_path) == 2002
