@@ -187,3 +187,18 @@ def test_color_setting_spellings(monkeypatch, caplog, value, tty, colored, warne
     monkeypatch.setattr(sys.stdout, "isatty", lambda: tty, raising=False)
     assert titan_logging.console_wants_color() is colored
     assert ("TORCHTITAN_COLOR='maybe' is neither 1 nor 0" in caplog.text) is warned
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--help=x"], "error: --help takes no value (got '--help=x'); run with --help alone"),
+    (["--json=yes"], "error: --json takes no value (got '--json=yes')"),
+    (["--check=1"], "error: --check takes no value (got '--check=1')"),
+    (["train_configs/debug_model.toml"], "error: unexpected argument "
+     "'train_configs/debug_model.toml': every setting is a --section.key flag (a config file is "
+     "given as --job.config_file train_configs/debug_model.toml)"),
+])
+def test_valueless_flags_and_a_bare_toml_path_say_what_to_type(capsys, argv, expected):
+    """`--help=x` and the config tool's `--json=yes` were "unknown flag" (the flag exists), and
+    a TOML path given as a bare argument did not say how a config file is given."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == expected

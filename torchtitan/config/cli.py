@@ -165,10 +165,14 @@ def parse_flags(argv: list[str], fields: dict[str, Field]) -> list[Op]:
         flag = token.partition("=")[0]
         i += 1
         if not looks_like_flag(token):
+            hint = (f" (a config file is given as --job.config_file {token})"
+                    if token.endswith(".toml") else "")
             raise ConfigError(
-                f"unexpected argument {token!r}: every setting is a --section.key flag"
+                f"unexpected argument {token!r}: every setting is a --section.key flag{hint}"
             )
         name, inline = flag_name(token)
+        if name == "help" and inline is not None:
+            raise ConfigError(f"--help takes no value (got {token!r}); run with --help alone")
         target, negated = name, False
         rule = legacy.find_rule(name)
         if rule is None and name not in fields:

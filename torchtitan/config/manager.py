@@ -195,6 +195,8 @@ def _take_tool_flags(args: list[str]) -> tuple[list[str], dict]:
         a = args[i]
         if a in ("--json", "--check"):
             flags[a[2:]] = True
+        elif a.split("=", 1)[0] in ("--json", "--check"):
+            raise ConfigError(f"{a.split('=', 1)[0]} takes no value (got {a!r})")
         elif a.split("=", 1)[0] in ("--world_size", "--world-size"):
             value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
             i += 0 if "=" in a else 1
