@@ -158,6 +158,11 @@ def pick_model(ckpt_dir: str, model: str | None) -> str:
     return model
 
 
+_PADDING_AT_MOST = 1024
+"""Embedding rows past the tokenizer's ids that padding explains (Qwen3 pads 151,669 ids to
+151,936 rows); more suggests another tokenizer than the run's."""
+
+
 def convert_dcp_to_hf(
     ckpt_dir: str,
     out_dir: str,
@@ -179,19 +184,25 @@ def convert_dcp_to_hf(
         raise ValueError(f"model {model} has no HF state-dict adapter")
     if flavor is not None and flavor not in spec.model_args:
         raise ValueError(f"--flavor {flavor!r} is not a {model} flavor; choose one of {spec.flavors}")
-    weights = load.load_dcp_model_tensors(ckpt_dir, dtype=_DTYPES[dtype])
-    args = resolve_args(spec, flavor, weights, ckpt_dir)
     tokenizer = None
-    if tokenizer_path is not None:
+    if tokenizer_path is not None:  # before the weights: a wrong path fails in seconds
         from torchtitan.components.tokenizer import build_tokenizer
         from torchtitan.config.job_config import Model
 
         tokenizer = build_tokenizer(Model(hf_assets_path=tokenizer_path, tokenizer_path=None))
-        if tokenizer.vocab_size > args.vocab_size:
+    weights = load.load_dcp_model_tensors(ckpt_dir, dtype=_DTYPES[dtype])
+    args = resolve_args(spec, flavor, weights, ckpt_dir)
+    if tokenizer is not None:
+        ids, vocab = tokenizer.vocab_size, args.vocab_size
+        if ids > vocab:
             raise ValueError(
-                f"the tokenizer {tokenizer_path} has {tokenizer.vocab_size} ids, the checkpoint's "
-                f"vocabulary only {args.vocab_size}: is it the run's tokenizer?"
+                f"the tokenizer {tokenizer_path} has {ids} ids, the checkpoint's "
+                f"vocabulary only {vocab}: is it the run's tokenizer?"
             )
+        if vocab - ids > _PADDING_AT_MOST:
+            _warn(f"the tokenizer {tokenizer_path} has {ids} ids, the checkpoint's vocabulary "
+                  f"{vocab}: {vocab - ids} embedding rows no token of it reaches (more than "
+                  "padding); is it the run's tokenizer?")
     adapter = spec.state_dict_adapter(args)
     return hf.write_hf_folder(out_dir, weights, adapter, dtype, tokenizer, allow_lossy, _warn)
 

@@ -165,6 +165,22 @@ def test_convert_checks_every_dimension(tmp_path, capsys, changes, record, flavo
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("vocab, code, message", [
+    (300, 2, "error: the tokenizer tests/assets/tokenizer has 2256 ids, the checkpoint's "
+     "vocabulary only 300: is it the run's tokenizer?"),
+    (4000, 0, "warning: the tokenizer tests/assets/tokenizer has 2256 ids, the checkpoint's "
+     "vocabulary 4000: 1744 embedding rows no token of it reaches (more than padding); is it "
+     "the run's tokenizer?"),
+    (2300, 0, None),  # padding
+])
+def test_convert_compares_the_tokenizer_with_the_embedding(tmp_path, capsys, vocab, code, message):
+    ckpt = _save(tmp_path, "ckpt", record=True, vocab_size=vocab)
+    argv = [str(ckpt), str(tmp_path / "out"), "--tokenizer", "tests/assets/tokenizer"]
+    assert _script().main(argv) == code
+    err = [line for line in capsys.readouterr().err.splitlines() if "tokenizer" in line]
+    assert err == ([message] if message else []), err
+
+
 def test_convert_exports_a_custom_flavor(tmp_path, monkeypatch):
     """A 3-layer, 8-head model: from its recorded architecture, or via custom_import."""
     ckpt = _save(tmp_path, "custom", record=True, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=300)
