@@ -125,3 +125,20 @@ def test_a_file_as_initial_load_path_names_its_folder(tmp_path):
             f"checkpoint.initial_load_path={shard} is a file; give the folder that holds the "
             f"checkpoint ({shard.parent}){hint}"
         )
+
+
+def test_a_dump_folder_as_initial_load_path_names_its_checkpoint_folder(tmp_path):
+    """A run's dump folder given where its checkpoint folder was meant: the error says which
+    subfolder holds the steps."""
+    from torchtitan.components.checkpoint import CheckpointError
+
+    writer = _manager(nn.Linear(4, 3), tmp_path / "run", enable=True)
+    writer.save(5, force=True)
+    writer.close()
+    manager = _manager(nn.Linear(4, 3), tmp_path / "new",
+                       initial_load_path=str(tmp_path / "run"))
+    with pytest.raises(CheckpointError) as err:
+        manager.load()
+    assert str(err.value).endswith(
+        "holds no complete step-N folder; its subfolder checkpoint/ holds complete steps (a "
+        f"run's dump folder?): --checkpoint.initial_load_path {tmp_path / 'run' / 'checkpoint'}")

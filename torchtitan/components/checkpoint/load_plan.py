@@ -230,6 +230,7 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
             raise CheckpointError(
                 f"checkpoint.initial_load_path={path} is not a complete DCP checkpoint "
                 f"({reason_text}) and holds no complete step-N folder"
+                + _subfolder_hint(path)
             )
         path, marker = inner[-1].path, inner[-1].marker
     if marker is None:  # named by the user, so loaded; but say that it cannot be checked
@@ -244,3 +245,16 @@ def _decide_initial(folder: str | None, cfg: CheckpointConfig) -> LoadPlan | Non
 
 
 # --- the shared model check -------------------------------------------------------------------
+
+
+def _subfolder_hint(path: str) -> str:
+    """``; its subfolder X holds them (...)`` when ``path`` is e.g. a run's dump folder whose
+    checkpoint folder holds complete steps; else empty."""
+    if not os.path.isdir(path):
+        return ""
+    for name in sorted(os.listdir(path)):
+        sub = os.path.join(path, name)
+        if os.path.isdir(sub) and any(e.complete for e in fs.scan_checkpoints(sub)):
+            return (f"; its subfolder {name}/ holds complete steps (a run's dump folder?): "
+                    f"--checkpoint.initial_load_path {sub}")
+    return ""
