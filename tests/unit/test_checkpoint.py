@@ -323,6 +323,20 @@ def test_last_save_model_only_export_dtype(tmp_path, caplog):
     assert torch.equal(fresh.model[0].weight, rig.model[0].weight.bfloat16().float())
 
 
+def test_resuming_a_model_only_step_names_the_older_full_one(tmp_path, caplog):
+    """A finished run's last save is model-only by default: resuming it (more steps) starts the
+    optimizer fresh; the warning names the older step that holds the whole state."""
+    rig = Rig(tmp_path, interval=5, last_save_model_only=True)
+    rig.train(10)
+    assert _steps(rig.folder) == ["step-10", "step-5"]
+    fresh = Rig(tmp_path, interval=5)
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        fresh.ckpt.load()
+    assert ("step-10 has no optimizer, lr_scheduler, dataloader state (a model-only save); "
+            "these start fresh (step-5 beside it holds them: --checkpoint.load_step 5 resumes "
+            "from there)") in caplog.text
+
+
 def test_seed_checkpoint_is_model_only_and_needs_one_process(tmp_path, monkeypatch, caplog):
     seed = Rig(tmp_path, create_seed_checkpoint=True, enable=False)
     seed.ckpt.save_seed_checkpoint()

@@ -231,9 +231,12 @@ def _load_template(
         sd[state_name] = template
         to_load.append(state_name)
     if rank() == 0 and fresh:
+        older = _older_full_step(path)
         logger.warning(
             f"Checkpoint: {name} has no {', '.join(fresh)} state (a model-only save); "
             "these start fresh"
+            + (f" (step-{older} beside it holds them: --checkpoint.load_step {older} resumes "
+               "from there)" if older is not None else "")
         )
     if rank() == 0 and skipped:
         logger.info(
@@ -241,3 +244,16 @@ def _load_template(
             f"{', '.join(skipped)} start fresh"
         )
     return sd, loaded, to_load
+
+
+def _older_full_step(path: str) -> int | None:
+    """The newest complete step older than ``path`` in the same folder that is no model-only
+    save (its commit marker says so), or None."""
+    from torchtitan.components.checkpoint import fs
+
+    folder, here = os.path.split(os.path.normpath(path))
+    entries = fs.scan_checkpoints(folder)
+    step = next((e.step for e in entries if os.path.basename(e.path) == here), None)
+    older = [e.step for e in entries if step is not None and e.step < step and e.complete
+             and e.marker is not None and e.marker.get("model_only") is False]
+    return older[-1] if older else None
