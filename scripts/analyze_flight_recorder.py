@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchtitan.tools.cli_args import OneLineParser  # noqa: E402
 from torchtitan.tools.flight_recorder import fix_pg_config, last_collectives  # noqa: E402
 
 
@@ -63,12 +64,36 @@ def report_missing(traces: dict[int, dict]) -> set[int]:
     return missing
 
 
+def read_dump(path: Path) -> dict:
+    """The dump pickled in ``path``; ValueError naming the file when it is not one."""
+    with open(path, "rb") as f:
+        try:
+            trace = pickle.load(f)
+        except Exception as err:  # unpickling arbitrary bytes raises about anything
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"{path} is not a Flight Recorder dump (not a pickle: {why})") from None
+    if not isinstance(trace, dict) or "entries" not in trace:
+        what = "dict without 'entries'" if isinstance(trace, dict) else type(trace).__name__
+        raise ValueError(f"{path} is not a Flight Recorder dump (it holds a pickled {what})")
+    return trace
+
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("trace_dir")
     parser.add_argument("-p", "--prefix", default="rank_")
     args, rest = parser.parse_known_args(argv)
     folder = Path(args.trace_dir)
+    if folder.is_file():
+        try:
+            read_dump(folder)
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"error: {folder} is one dump: give the folder holding the {args.prefix}<rank> "
+              "dumps", file=sys.stderr)
+        return 2
     files = sorted(p for p in folder.iterdir() if p.name.startswith(args.prefix)) if folder.is_dir() else []
     if not files:
         print(f"error: no files named {args.prefix}<rank> in {folder}", file=sys.stderr)
@@ -77,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         repaired = 0
         traces: dict[int, dict] = {}
         for path in files:
-            with open(path, "rb") as f:
-                trace = pickle.load(f)
+            try:
+                trace = read_dump(path)
+            except (OSError, ValueError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
             suffix = path.name[len(args.prefix):]
             if suffix.isdigit():
                 traces[int(suffix)] = trace

@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan.tools.cli_args import positive_int  # noqa: E402
+from torchtitan.tools.cli_args import OneLineParser, positive_int  # noqa: E402
 
 STEPS = 12
 FLAGS = [
@@ -139,16 +139,22 @@ def _run(cmd: list[str], env: dict[str, str], kill_after: float | None = None) -
     return proc.returncode, "".join(lines), took
 
 
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tiny")
     parser.add_argument("--trials", type=positive_int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", help="keep the trial folders here (default: a temporary folder)")
     args = parser.parse_args(argv)
+    if args.keep and Path(args.keep).exists() and not Path(args.keep).is_dir():
+        parser.error(f"--keep {args.keep} is an existing file, not a folder")
     rng = random.Random(args.seed)
     root = Path(args.keep or tempfile.mkdtemp(prefix="chaos_"))
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--keep {root}: cannot make the folder ({err.strerror})")
 
     import torch
 

@@ -33,6 +33,7 @@ import compare_upstream_setup as setup  # noqa: E402
 
 sys.path.insert(0, str(setup.REPO_ROOT))  # a checkout run without installing it
 from torchtitan.tools.cli_args import (  # noqa: E402
+    OneLineParser,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -76,13 +77,9 @@ _LAUNCHER_VARS = ("CONFIG_FILE", "CONFIG", "MODULE", "NGPU", "COMM_MODE", "TRAIN
                   "LOG_RANK", "PYTHONPATH")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like the trainer's
-        self.exit(2, f"error: {message} (see --help)\n")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: smoke test (tiny flavor, no compile; upstream via a CPU shim)")

@@ -44,14 +44,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.config.manager import parse_args_or_exit  # noqa: E402
 from torchtitan.tools import known_warnings  # noqa: E402
+from torchtitan.tools.cli_args import OneLineParser  # noqa: E402
 from torchtitan.tools.logging import init_logger  # noqa: E402
 from torchtitan.tools.memory_estimation import estimate_memory  # noqa: E402
 
 
+def _world_size_from_env() -> int:
+    """--world-size's default: WORLD_SIZE or NGPU from the environment, else 8."""
+    for name in ("WORLD_SIZE", "NGPU"):
+        text = os.environ.get(name)
+        if text:
+            try:
+                value = int(text)
+            except ValueError:
+                value = 0
+            if value < 1:
+                raise ValueError(f"{name}={text!r} in the environment is not a number of ranks "
+                                 "(an integer >= 1): fix it or give --world-size")
+            return value
+    return 8
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(add_help=False)
-    default_ws = int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 8)
-    parser.add_argument("--world-size", "--world_size", type=int, nargs="+", default=[default_ws])
+    parser = OneLineParser(add_help=False)
+    parser.add_argument("--world-size", "--world_size", type=int, nargs="+")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--real", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -62,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     if ours.help:
         print(__doc__)
         return 0
+    if ours.world_size is None:
+        try:
+            ours.world_size = [_world_size_from_env()]
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     init_logger()
     known_warnings.install()  # torch's harmless warnings: one line each, as in training
     job_config = parse_args_or_exit(rest)

@@ -19,7 +19,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import base64
 import heapq
 import io
@@ -32,6 +31,9 @@ import regex
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported by path (tests)
 from synthetic_corpus import generate_corpus, write_jsonl  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout run without installing it
+from torchtitan.tools.cli_args import OneLineParser  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "assets"
@@ -168,8 +170,9 @@ def train_sentencepiece(texts: list[str], vocab_size: int, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="assets folder")
     parser.add_argument(
         "--only",
@@ -183,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"unknown --only part(s) {sorted(unknown)}; use corpus, tiktoken, sentencepiece"
         )
+    if not parts:
+        parser.error(f"--only {args.only!r} selects nothing; use one or more of corpus, "
+                     "tiktoken, sentencepiece")
 
     out: Path = args.out_dir
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out-dir {out} is an existing file, not a folder")
     t0 = time.perf_counter()
     train = generate_corpus(TRAIN_DOCS, TRAIN_SEED)
     texts = [d["text"] for d in train]

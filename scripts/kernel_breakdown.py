@@ -15,14 +15,18 @@ time. Prints markdown tables; ``--json FILE`` also writes the figures.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
+import os
 import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.tools.cli_args import OneLineParser, non_negative_int  # noqa: E402
 
 # First match wins; matched against the kernel's name.
 CATEGORIES: list[tuple[str, re.Pattern]] = [(name, re.compile(rx, re.I)) for name, rx in [
@@ -189,17 +193,28 @@ def tables(results: dict[str, Breakdown], top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", metavar="LABEL=PATH")
-    p.add_argument("--top", type=int, default=12, help="kernels listed per trace")
+    p.add_argument("--top", type=non_negative_int, default=12, help="kernels listed per trace")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    results: dict[str, Breakdown] = {}
+    if args.json is not None and args.json.is_dir():
+        p.error(f"--json {args.json} is a folder: give the file to write the figures to")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: there is no folder {args.json.parent}")
+    paths: dict[str, str] = {}
     for spec in args.traces:
         label, sep, path = spec.partition("=")
         if not sep:
             label, path = Path(spec).name, spec
+        if label in paths:
+            p.error(f"label {label!r} is given twice ({paths[label]}, {path}): give each trace "
+                    "its own LABEL=PATH")
+        paths[label] = path
+    results: dict[str, Breakdown] = {}
+    for label, path in paths.items():
         try:
             trace_path = find_trace(Path(path))
             results[label] = breakdown(load_trace(trace_path), str(trace_path))
@@ -210,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {label}: {trace_path} holds no GPU kernels (a CPU-only trace?)",
                   file=sys.stderr)
             return 2
+    if args.json is not None and args.json.exists():
+        for label, b in results.items():
+            if os.path.samefile(args.json, b.path):
+                p.error(f"--json {args.json} is the trace of {label!r}: writing the figures "
+                        "there would overwrite it")
     print(tables(results, args.top), end="")
     if args.json is not None:
         args.json.write_text(json.dumps({k: vars(v) for k, v in results.items()}, indent=1))

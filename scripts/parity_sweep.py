@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # a checkout run without installing it
 
-from torchtitan.tools.cli_args import non_negative_float, positive_int  # noqa: E402
+from torchtitan.tools.cli_args import OneLineParser, non_negative_float, positive_int  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent
 
@@ -132,9 +132,9 @@ def compare(config: str, shared: list[str], side_a: str, side_b: str, folder: Pa
     return ("equal" if ok else "DIFFERENT"), f"max |diff| {worst:.2e} over {len(rows)} steps"
 
 
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--trials", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=positive_int, default=3)
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     layout_sweep.add_ngpus_argument(parser)
     layout_sweep.add_models_argument(parser)
     args = parser.parse_args(argv)
+    if Path(args.folder).exists() and not Path(args.folder).is_dir():
+        parser.error(f"--folder {args.folder} is an existing file, not a folder")
     rng = random.Random(args.seed)
     verdicts: list[str] = []
     for trial in range(args.trials):

@@ -38,9 +38,13 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # a checkout run without installing it
+from torchtitan.tools.cli_args import OneLineParser  # noqa: E402
+
 MARK_ENV = "TORCHTITAN_FT_RUNNER"  # in the environment of every process of one run
 PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 10.0
+
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -49,7 +53,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, trainer_flags = argv[:i], argv[i + 1 :]
     else:
         trainer_flags = []
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
     p.add_argument("--ranks-per-group", type=int, default=1, help="ranks in each group")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per group (default 3)")
@@ -67,6 +71,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--lighthouse-port must be a TCP port (1-65535), got {args.lighthouse_port}")
     if args.max_restarts < 0 or args.join_timeout_ms < 1 or not args.stop_timeout > 0:
         p.error("--max-restarts must be >= 0, --join-timeout-ms and --stop-timeout > 0")
+    if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        p.error(f"--log-dir {args.log_dir} is an existing file, not a folder")
     return args, trainer_flags
 
 
@@ -277,10 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("torchft_lighthouse") is None:
         print("error: torchft_lighthouse not found; pip install 'torchft>=0.2'", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO))
 
     log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"error: --log-dir {log_dir}: cannot make the folder ({err.strerror})",
+              file=sys.stderr)
+        return 2
     mark = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     env = {**os.environ, MARK_ENV: mark}
     lh_log = log_dir / "lighthouse.log"

@@ -1,11 +1,19 @@
-"""argparse value types for the scripts: a bad number is argparse's usage line plus one
-``error:`` line naming the option, exit code 2, before anything runs."""
+"""argparse helpers for the scripts: value types (a bad number is one ``error:`` line naming
+the option, exit code 2, before anything runs) and :class:`OneLineParser`."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, like the trainer's:
+    ``error: <message> (see --help)`` and exit code 2 (argparse prints its usage line first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
