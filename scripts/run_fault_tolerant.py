@@ -55,7 +55,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         trainer_flags = []
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=2, help="replica groups (default 2)")
-    p.add_argument("--ranks-per-group", type=int, default=1, help="ranks in each group")
+    p.add_argument("--ranks-per-group", type=int, default=None,
+                   help="ranks in each group (default: NGPU from the environment, else 1)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts per group (default 3)")
     p.add_argument("--lighthouse-port", type=int, default=29510)
     p.add_argument("--join-timeout-ms", type=int, default=10000,
@@ -65,6 +66,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--log-dir", default="outputs/fault_tolerance_logs")
     p.add_argument("--print", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
+    if args.ranks_per_group is None:
+        ngpu = os.environ.get("NGPU", "1") or "1"
+        if not ngpu.isdigit() or int(ngpu) < 1:
+            p.error(f"NGPU={ngpu!r} in the environment is not a number of ranks per group "
+                    "(an integer >= 1): fix it or give --ranks-per-group")
+        args.ranks_per_group = int(ngpu)
+    for flag in trainer_flags:
+        name = flag.split("=", 1)[0].replace("-", "_").lstrip("_")
+        if name in _SET_PER_GROUP:
+            p.error(f"{flag.split('=', 1)[0]} is set for each group by this script "
+                    f"({_SET_PER_GROUP[name]}): leave it out of the trainer flags")
     if args.groups < 1 or args.ranks_per_group < 1:
         p.error("--groups and --ranks-per-group must be >= 1")
     if not 1 <= args.lighthouse_port <= 65535:
@@ -74,6 +86,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
         p.error(f"--log-dir {args.log_dir} is an existing file, not a folder")
     return args, trainer_flags
+
+
+_SET_PER_GROUP = {
+    "fault_tolerance.replica_id": "group i is replica i",
+    "fault_tolerance.group_size": "--groups",
+    "fault_tolerance.enable": "always on",
+}
 
 
 def lighthouse_command(args: argparse.Namespace) -> list[str]:

@@ -147,3 +147,31 @@ def test_estimate_memory_bad_world_size_in_the_environment(refused, monkeypatch,
     line = refused("estimate_memory", "--job.config_file", "train_configs/debug_model.toml")
     assert line == (f"error: {name}={value!r} in the environment is not a number of ranks (an "
                     "integer >= 1): fix it or give --world-size")
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--", "--fault_tolerance.replica_id", "3"], {}, "error: --fault_tolerance.replica_id is "
+     "set for each group by this script (group i is replica i): leave it out of the trainer "
+     "flags (see --help)"),
+    (["--", "--fault-tolerance.group-size=4"], {}, "error: --fault-tolerance.group-size is set "
+     "for each group by this script (--groups): leave it out of the trainer flags (see --help)"),
+    ([], {"NGPU": "two"}, "error: NGPU='two' in the environment is not a number of ranks per "
+     "group (an integer >= 1): fix it or give --ranks-per-group (see --help)"),
+])
+def test_run_fault_tolerant_refuses_what_it_sets_itself(capsys, monkeypatch, argv, env, expected):
+    """The script appended its own replica_id/group_size after the user's (the user's lost,
+    silently), and ran 1 rank per group whatever NGPU said."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        load_script("run_fault_tolerant").parse_args(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == expected
+
+
+def test_run_fault_tolerant_takes_ngpu_as_ranks_per_group(monkeypatch):
+    module = load_script("run_fault_tolerant")
+    monkeypatch.setenv("NGPU", "4")
+    assert module.parse_args([])[0].ranks_per_group == 4
+    assert module.parse_args(["--ranks-per-group", "2"])[0].ranks_per_group == 2
+    monkeypatch.delenv("NGPU")
+    assert module.parse_args([])[0].ranks_per_group == 1
