@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             if ours.compare_real:
                 _compare(job_config, world_size, ours)
                 continue
+            if ours.real:
+                _check_host_memory(job_config, world_size, ours)
             est = estimate_memory(
                 job_config, world_size, rank=ours.rank, fake=False if ours.real else None,
                 steps=ours.steps,
@@ -123,6 +125,28 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": round(est.seconds, 1),
             }), flush=True)
     return code
+
+
+def _check_host_memory(job_config, world_size: int, ours: argparse.Namespace) -> None:
+    """--real on the CPU holds the rank's real tensors in host memory: estimate on fake tensors
+    first (seconds) and refuse (ValueError) what this machine cannot hold, instead of being
+    killed by the kernel's out-of-memory killer half way."""
+    from torchtitan.tools.device import device_type
+    from torchtitan.tools.host_memory import available_host_bytes
+    from torchtitan.tools.logging import byte_size
+
+    if device_type != "cpu":
+        return
+    available = available_host_bytes()
+    if available is None:
+        return
+    need = estimate_memory(job_config, world_size, rank=ours.rank, fake=True, steps=ours.steps)
+    if need.peak_gib * 2**30 > available:
+        raise ValueError(
+            f"--real holds rank {ours.rank}'s tensors in this machine's memory: about "
+            f"{need.peak_gib:.1f} GiB (the estimate on fake tensors), and it has "
+            f"{byte_size(available)} available; leave out --real for the estimate"
+        )
 
 
 def _compare(job_config, world_size: int, ours: argparse.Namespace) -> None:

@@ -175,3 +175,22 @@ def test_run_fault_tolerant_takes_ngpu_as_ranks_per_group(monkeypatch):
     assert module.parse_args(["--ranks-per-group", "2"])[0].ranks_per_group == 2
     monkeypatch.delenv("NGPU")
     assert module.parse_args([])[0].ranks_per_group == 1
+
+
+def test_estimate_memory_real_refuses_what_the_host_cannot_hold(monkeypatch, capsys):
+    """--real on the CPU allocates the rank's real tensors: past the free memory the kernel's
+    OOM killer ended the run (or the machine's other work); now the fake estimate gates it."""
+    import torchtitan.tools.host_memory as host_memory
+
+    module = load_script("estimate_memory")
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--world-size", "1", "--real",
+            "--training.seq_len", "32", "--training.local_batch_size", "1"]
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda *a, **k: 1 << 20)
+    assert module.main(argv) == 2
+    out = capsys.readouterr().err
+    err = [line for line in out.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in out and len(err) == 1 and err[0].startswith(
+        "error: world size 1: --real holds rank 0's tensors in this machine's memory: about ")
+    assert err[0].endswith("and it has 1 MiB available; leave out --real for the estimate")
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda *a, **k: 1 << 40)
+    assert module.main(argv) == 0
