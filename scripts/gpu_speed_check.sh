@@ -5,6 +5,9 @@
 #                                                   # plus ours with the levers off, same run
 #                                                   # (HARNESS_SETTINGS=bf16, then =float8: two
 #                                                   # calls of ~4 min where 10 is the limit)
+#   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~6 min: bf16 (ours, upstream), then float8
+#                                                   # with the memory choices as variants
+#                                                   # (float8 copies on; loss chunks of 4096)
 #   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~4 min: the compiled optimizer steps' CUDA
 #                                                   # tests; the loss path alone at Llama 3 8B's
 #                                                   # output shape; the memory estimate vs the GPU
@@ -20,7 +23,7 @@
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
 # SMOKE=1 runs the same plumbing on the CPU at toy sizes (no figure is a measurement).
 set -u
-usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|levers|optim|profile"
+usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|choices|levers|optim|profile"
 wheels=${1:?$usage}
 out=${2:?$usage}
 phase=${3:?$usage}
@@ -35,6 +38,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disa
 LEVERS_OFF="--training.loss_implementation logits --model.attention_backend flash --optimizer.no_clip_in_step --training.weight_copies off"
 if [[ ${SMOKE:-0} == 1 ]]; then
     SETTINGS=(--device cpu --settings bf16) OPTIM_SETTINGS=(--device cpu --settings bf16)
+    FLOAT8_SETTINGS=(--device cpu --settings bf16)  # (float8 needs the GPU)
     PROFILE_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 1 --warmup 1)
     PROFILE_STEPS=4
     LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
@@ -43,6 +47,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     LEVERS_OFF="--training.loss_implementation logits --model.attention_backend math --optimizer.no_clip_in_step --training.weight_copies off"
 else
     SETTINGS=(--settings "${HARNESS_SETTINGS:-bf16,float8}") OPTIM_SETTINGS=(--settings bf16)
+    FLOAT8_SETTINGS=(--settings float8)
     PROFILE_RUN=(--settings "${PROFILE_SETTINGS:-bf16}" --steps 20 --log-freq 5 --warmup 10)
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS:-bf16}
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS_LIST//,/ }
@@ -66,6 +71,16 @@ harness)
     cat "$out/table.md" >>"$out/summary.txt" 2>/dev/null
     grep -h "attention kernel\|Loss: " "$work"/logs/ours_*.log | sed 's/.* - INFO - //' \
         | sort -u >>"$out/summary.txt"
+    ;;
+choices)
+    # the table's bf16 row, then float8 at the defaults and with each memory choice as a variant
+    step choices_bf16 300 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        "${OPTIM_SETTINGS[@]}" --out "$out/table_bf16.md"
+    cat "$out/table_bf16.md" >>"$out/summary.txt" 2>/dev/null
+    step choices_float8 400 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        "${FLOAT8_SETTINGS[@]}" --ours-variant "f8_copies=--training.weight_copies on" \
+        --ours-variant "chunk4k=--training.loss_chunk_size 4096" --out "$out/table_float8.md"
+    cat "$out/table_float8.md" >>"$out/summary.txt" 2>/dev/null
     ;;
 levers)
     # the extra wheels (never upstream's torchtitan) into the harness's shared folder
@@ -109,7 +124,7 @@ profile)
     done
     ;;
 *)
-    echo "error: unknown phase '$phase' (harness, levers, optim or profile)" >&2
+    echo "error: unknown phase '$phase' (harness, choices, levers, optim or profile)" >&2
     exit 2
     ;;
 esac
