@@ -342,7 +342,13 @@ def ours_version() -> str:
             break
     git = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)
-    return f"{version}+g{git.stdout.strip()}" if git.returncode == 0 else version
+    if git.returncode != 0:
+        return version
+    # a tree that differs from its commit (edited, or copied onto another checkout) says so
+    status = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
+                             "--untracked-files=no"], capture_output=True, text=True)
+    dirty = ".dirty" if status.returncode != 0 or status.stdout.strip() else ""
+    return f"{version}+g{git.stdout.strip()}{dirty}"
 
 
 def prepare(args) -> dict:

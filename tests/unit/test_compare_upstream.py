@@ -269,3 +269,20 @@ def test_gpu_speed_check_levers_phase_runs_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "loss_path: exit 0" in summary and "memory: exit 0" in summary
     assert "chunked / logits: time" in summary and "CPU STAND-IN" in summary
+
+
+def test_our_version_says_when_the_tree_differs_from_its_commit(cu, tmp_path, monkeypatch):
+    """The table names the code it measured: a GPU machine's copy of an edited tree must not
+    pass for its checkout's commit."""
+    import subprocess
+
+    (tmp_path / "pyproject.toml").write_text('[project]\nversion = "9.9"\n')
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "pyproject.toml"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    monkeypatch.setattr(cu, "REPO_ROOT", tmp_path)
+    clean = cu.ours_version()
+    assert clean.startswith("9.9+g") and not clean.endswith(".dirty")
+    (tmp_path / "pyproject.toml").write_text('[project]\nversion = "9.9"\n# edited\n')
+    assert cu.ours_version() == clean + ".dirty"
