@@ -5,9 +5,10 @@
 #                                                   # plus ours with the levers off, same run
 #                                                   # (HARNESS_SETTINGS=bf16, then =float8: two
 #                                                   # calls of ~4 min where 10 is the limit)
-#   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~6 min: bf16 (ours, upstream), then float8
+#   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~7 min: bf16 (ours, upstream), then float8
 #                                                   # with the memory choices as variants
-#                                                   # (float8 copies on; loss chunks of 4096)
+#                                                   # (float8 copies on; loss chunks of 4096;
+#                                                   # both)
 #   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~4 min: the compiled optimizer steps' CUDA
 #                                                   # tests; the loss path alone at Llama 3 8B's
 #                                                   # output shape; the memory estimate vs the GPU
@@ -79,7 +80,9 @@ choices)
     cat "$out/table_bf16.md" >>"$out/summary.txt" 2>/dev/null
     step choices_float8 400 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
         "${FLOAT8_SETTINGS[@]}" --ours-variant "f8_copies=--training.weight_copies on" \
-        --ours-variant "chunk4k=--training.loss_chunk_size 4096" --out "$out/table_float8.md"
+        --ours-variant "chunk4k=--training.loss_chunk_size 4096" \
+        --ours-variant "both=--training.weight_copies on --training.loss_chunk_size 4096" \
+        --out "$out/table_float8.md"
     cat "$out/table_float8.md" >>"$out/summary.txt" 2>/dev/null
     ;;
 levers)
