@@ -85,6 +85,19 @@ def _check_complete(state: dict[str, torch.Tensor], args: object, model_cls: typ
         )
 
 
+def _refuse_a_training_step(out_dir: str) -> None:
+    """A checkpoint a conversion wrote may be replaced (it is set aside); a training run's step
+    may not: converting over it would make that run resume from the HF weights."""
+    marker = fs.read_marker(out_dir) if os.path.isdir(out_dir) else None
+    if marker is not None and not marker.get("converted_from") and (
+            marker.get("states") or not marker.get("model_only", True)):
+        raise ValueError(
+            f"OUT_DIR {out_dir} is a training run's checkpoint (step {marker.get('step', '?')}, "
+            "with its training state): converting over it would make the run resume from the HF "
+            "weights; give a folder of its own and load it with --checkpoint.initial_load_path"
+        )
+
+
 def convert_hf_to_dcp(
     hf_dir: str,
     out_dir: str,
@@ -96,6 +109,7 @@ def convert_hf_to_dcp(
     docstring; nothing is written when one fails); returns the converted weights."""
     config_path = os.path.join(hf_dir, hf_check.CONFIG)
     fs.check_output_folder(out_dir, "OUT_DIR", checkpoint_ok=True)
+    _refuse_a_training_step(out_dir)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{config_path} not found: HF_DIR must hold config.json")
     config = hf_check.read_config(hf_dir) or {}

@@ -240,3 +240,31 @@ def test_hf_config_roundtrip_and_errors():
     adapter = Llama3StateDictAdapter(llama3_args["debugmodel_tiny"])
     with pytest.raises(ValueError, match="cannot map 1 HF key"):
         adapter.from_hf({"model.layers.0.self_attn.q_norm.weight": torch.zeros(1)})
+
+
+def test_hf_to_dcp_refuses_to_replace_a_training_step(tmp_path, capsys):
+    """Converting into a run's step-N set the trained step aside and made the run resume from
+    the HF weights; a step a conversion wrote may still be replaced."""
+    from torch import nn
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config.job_config import Checkpoint
+
+    writer = CheckpointManager(None, [nn.Linear(4, 3)], None, None, {},
+                               Checkpoint(enable=True), str(tmp_path / "run"))
+    writer.save(5, force=True)
+    writer.close()
+    step = tmp_path / "run" / "checkpoint" / "step-5"
+    before = sorted(p.name for p in step.iterdir())
+    assert load_script("convert_hf_to_dcp").main([str(tmp_path / "hf"), str(step)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: OUT_DIR {step} is a training run's checkpoint (step 5, with its "
+                   "training state): converting over it would make the run resume from the HF "
+                   "weights; give a folder of its own and load it with "
+                   "--checkpoint.initial_load_path")
+    assert sorted(p.name for p in step.iterdir()) == before
+    _, folder = _hf_model(tmp_path, False)
+    out = tmp_path / "converted"
+    for _ in range(2):  # an earlier conversion is replaced (set aside), as before
+        assert load_script("convert_hf_to_dcp").main([str(folder), str(out)]) == 0
+    assert "the checkpoint that was at" in capsys.readouterr().err
