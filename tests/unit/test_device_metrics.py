@@ -188,3 +188,30 @@ def test_cuda_allocator_default_leaves_a_users_setting(monkeypatch, user_env):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     else:
         assert calls == [] and os.environ[user_env] == "expandable_segments:False"
+
+
+def test_wandb_with_a_key_but_no_server_is_one_line_at_once(dump_folder, monkeypatch):
+    """With a key set but the W&B server out of reach, wandb.init waited its own ~90 s and
+    printed its lines after the error; now the server is probed first (5 s at most)."""
+    wandb = pytest.importorskip("wandb")
+    import socket
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    def unreachable(address, timeout=None):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(wandb, "init", lambda **kw: pytest.fail("wandb.init was called"))
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.enable_wandb = True
+    with pytest.raises(ValueError) as err:
+        MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+    assert str(err.value) == (
+        "metrics.enable_wandb: the W&B server is unreachable (api.wandb.ai:443: Network is "
+        "unreachable); set WANDB_MODE=offline to write the run under "
+        f"{dump_folder / 'wandb'}/ and `wandb sync` it later"
+    )

@@ -118,6 +118,34 @@ class JSONLLogger(BaseLogger):
             file.close()
 
 
+def _wandb_server_unreachable(timeout: float = 5.0) -> str | None:
+    """Why an online W&B run with a key cannot reach its server (``WANDB_BASE_URL``, else
+    api.wandb.ai), or None. Without this, ``wandb.init`` waits its own ~90 s timeout and then
+    prints its lines. Offline and disabled modes, and no key at all (wandb says so at once),
+    are left to wandb."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_MODE", "online") != "online" or os.environ.get("WANDB_DISABLED"):
+        return None
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    netrc = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        with open(netrc, encoding="utf-8") as f:
+            logged_in = host in f.read()
+    except OSError:
+        logged_in = False
+    if not (os.environ.get("WANDB_API_KEY") or logged_in):
+        return None
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or type(err).__name__}"
+    return None
+
+
 class WandBLogger(BaseLogger):
     def __init__(self, log_dir: str, config: dict[str, Any]) -> None:
         import wandb
@@ -125,6 +153,12 @@ class WandBLogger(BaseLogger):
         self.wandb = wandb
         self.label = f"W&B ({log_dir})"
         os.makedirs(log_dir, exist_ok=True)
+        unreachable = _wandb_server_unreachable()
+        if unreachable:
+            raise ValueError(
+                f"metrics.enable_wandb: the W&B server is unreachable ({unreachable}); set "
+                f"WANDB_MODE=offline to write the run under {log_dir} and `wandb sync` it later"
+            )
         try:
             self.run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "torchtitan"),
