@@ -104,25 +104,30 @@ def test_wandb_offline(dump_folder, monkeypatch):
     assert list(runs[0].glob("*.wandb")), "no W&B event log in the offline run"
 
 
+def _wandb_start_error(dump_folder) -> str:
+    """The one-line error of a metrics setup with W&B on that cannot start."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(dump_folder)
+    cfg.metrics.enable_wandb = True
+    with pytest.raises(ValueError) as err:
+        MetricsProcessor(cfg, rank=0, compute_dtype="float32")
+    return str(err.value)
+
+
 @pytest.mark.slow  # wandb starts its wandb-core service process
 def test_wandb_without_an_api_key_is_one_line(dump_folder, monkeypatch, tmp_path):
     """Online W&B with no key configured (no login, no WANDB_API_KEY) was a wandb traceback
     from the metrics setup; now one line that says how to log in or go offline."""
     wandb = pytest.importorskip("wandb")
-    from torchtitan.components.metrics import MetricsProcessor
-
     wandb.teardown()  # an earlier test's session (offline mode) stays in wandb's singleton
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SILENT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(dump_folder)
-    cfg.metrics.enable_wandb = True
-    with pytest.raises(ValueError) as err:
-        MetricsProcessor(cfg, rank=0, compute_dtype="float32")
-    assert str(err.value) == (
+    assert _wandb_start_error(dump_folder) == (
         "metrics.enable_wandb: W&B did not start (No API key configured. Use `wandb login` to "
         "log in.); log in with `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline "
         f"to write the run under {dump_folder / 'wandb'}/ and `wandb sync` it later"
@@ -196,8 +201,6 @@ def test_wandb_with_a_key_but_no_server_is_one_line_at_once(dump_folder, monkeyp
     wandb = pytest.importorskip("wandb")
     import socket
 
-    from torchtitan.components.metrics import MetricsProcessor
-
     def unreachable(address, timeout=None):
         raise OSError(101, "Network is unreachable")
 
@@ -205,12 +208,7 @@ def test_wandb_with_a_key_but_no_server_is_one_line_at_once(dump_folder, monkeyp
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     monkeypatch.setattr(socket, "create_connection", unreachable)
     monkeypatch.setattr(wandb, "init", lambda **kw: pytest.fail("wandb.init was called"))
-    cfg = JobConfig()
-    cfg.job.dump_folder = str(dump_folder)
-    cfg.metrics.enable_wandb = True
-    with pytest.raises(ValueError) as err:
-        MetricsProcessor(cfg, rank=0, compute_dtype="float32")
-    assert str(err.value) == (
+    assert _wandb_start_error(dump_folder) == (
         "metrics.enable_wandb: the W&B server is unreachable (api.wandb.ai:443: Network is "
         "unreachable); set WANDB_MODE=offline to write the run under "
         f"{dump_folder / 'wandb'}/ and `wandb sync` it later"
