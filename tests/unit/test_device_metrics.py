@@ -213,3 +213,7 @@ def test_wandb_with_a_key_but_no_server_is_one_line_at_once(dump_folder, monkeyp
         "unreachable); set WANDB_MODE=offline to write the run under "
         f"{dump_folder / 'wandb'}/ and `wandb sync` it later"
     )
+    from torchtitan.components.metrics import _wandb_server_unreachable
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # wandb goes through it: no probe
+    assert _wandb_server_unreachable() is None

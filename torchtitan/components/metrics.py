@@ -121,13 +121,16 @@ class JSONLLogger(BaseLogger):
 def _wandb_server_unreachable(timeout: float = 5.0) -> str | None:
     """Why an online W&B run with a key cannot reach its server (``WANDB_BASE_URL``, else
     api.wandb.ai), or None. Without this, ``wandb.init`` waits its own ~90 s timeout and then
-    prints its lines. Offline and disabled modes, and no key at all (wandb says so at once),
-    are left to wandb."""
+    prints its lines. Offline and disabled modes, no key at all (wandb says so at once) and a
+    server behind a proxy are left to wandb."""
     import socket
     from urllib.parse import urlsplit
 
     if os.environ.get("WANDB_MODE", "online") != "online" or os.environ.get("WANDB_DISABLED"):
         return None
+    proxies = ("https_proxy", "http_proxy", "all_proxy")
+    if any(os.environ.get(n) or os.environ.get(n.upper()) for n in proxies):
+        return None  # reached through a proxy, which a direct connection does not test
     url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
     host = url.hostname or "api.wandb.ai"
     netrc = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
