@@ -254,6 +254,8 @@ def _older_full_step(path: str) -> int | None:
     folder, here = os.path.split(os.path.normpath(path))
     entries = fs.scan_checkpoints(folder)
     step = next((e.step for e in entries if os.path.basename(e.path) == here), None)
-    older = [e.step for e in entries if step is not None and e.step < step and e.complete
+    if step is None:
+        return None
+    older = [e.step for e in entries if e.step < step and e.complete
              and e.marker is not None and e.marker.get("model_only") is False]
     return older[-1] if older else None
