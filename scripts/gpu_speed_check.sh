@@ -17,6 +17,9 @@
 #   scripts/gpu_speed_check.sh WHEELS OUT profile   # ~3 min: bf16, ours / levers off / upstream
 #                                                   # traced (torch.profiler, 2 steps each): GPU
 #                                                   # time per step by kernel category
+#   scripts/gpu_speed_check.sh WHEELS OUT memsnap   # ~3 min: float8, ours and upstream with the
+#                                                   # allocator history recorded (12 steps):
+#                                                   # what is live at each one's peak
 #
 # WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
 # machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
@@ -24,7 +27,7 @@
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
 # SMOKE=1 runs the same plumbing on the CPU at toy sizes (no figure is a measurement).
 set -u
-usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|choices|levers|optim|profile"
+usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|choices|levers|optim|profile|memsnap"
 wheels=${1:?$usage}
 out=${2:?$usage}
 phase=${3:?$usage}
@@ -42,6 +45,8 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     FLOAT8_SETTINGS=(--device cpu --settings bf16)  # (float8 needs the GPU)
     PROFILE_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 1 --warmup 1)
     PROFILE_STEPS=4
+    MEMSNAP_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 2 --warmup 1)
+    MEMSNAP_STEPS=4 MEMSNAP_SETTINGS_LIST=bf16
     LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
     MEMORY_CONFIG=(train_configs/debug_model.toml --training.seq_len 64
                    --training.local_batch_size 2)
@@ -53,6 +58,9 @@ else
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS:-bf16}
     PROFILE_SETTINGS_LIST=${PROFILE_SETTINGS_LIST//,/ }
     PROFILE_STEPS=20
+    MEMSNAP_RUN=(--settings "${MEMSNAP_SETTINGS:-float8}" --steps 12 --log-freq 4 --warmup 4)
+    MEMSNAP_STEPS=12 MEMSNAP_SETTINGS_LIST=${MEMSNAP_SETTINGS:-float8}
+    MEMSNAP_SETTINGS_LIST=${MEMSNAP_SETTINGS_LIST//,/ }
     LOSS_SHAPE=(--device cuda --tokens 8192 --dim 4096 --vocab 128256 --dtype bfloat16 --compile
                 --chunk 8192)
     MEMORY_CONFIG=(train_configs/llama3_8b.toml --training.local_batch_size 1
@@ -126,8 +134,28 @@ profile)
         { echo "### $setting"; cat "$out/breakdown_$setting.log"; } >>"$out/summary.txt"
     done
     ;;
+memsnap)
+    # both trainers record the allocator's history and dump it at the last step (the table is
+    # no measurement: recording stacks slows the steps); what each one holds at its peak
+    snap="--profiling.enable_memory_snapshot --profiling.save_memory_snapshot_folder memory_snapshot \
+--profiling.profile_freq $MEMSNAP_STEPS"
+    rm -rf "$work"/dumps/*/memory_snapshot  # an earlier run's
+    step memsnap 420 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
+        "${MEMSNAP_RUN[@]}" --both-flags "$snap" --out "$out/table_memsnap.md"
+    for setting in $MEMSNAP_SETTINGS_LIST; do
+        # the whole window (a first step's one-off peak included), then the steady state
+        for after in 0 50%; do
+            step "peak_${setting}_${after%\%}" 120 "$py" scripts/memory_peak.py --top 25 \
+                --after "$after" "ours=$work/dumps/ours_${setting}_0/memory_snapshot" \
+                "upstream=$work/dumps/upstream_${setting}_0/memory_snapshot" \
+                --json "$out/peak_${setting}_${after%\%}.json"
+            { echo "### $setting, peak after $after"; cat "$out/peak_${setting}_${after%\%}.log"; } \
+                >>"$out/summary.txt"
+        done
+    done
+    ;;
 *)
-    echo "error: unknown phase '$phase' (harness, choices, levers, optim or profile)" >&2
+    echo "error: unknown phase '$phase' (harness, choices, levers, optim, profile or memsnap)" >&2
     exit 2
     ;;
 esac
