@@ -16,8 +16,9 @@
 #   scripts/gpu_speed_check.sh WHEELS OUT profile   # ~3 min: bf16, ours / levers off / upstream
 #                                                   # traced (torch.profiler, 2 steps each): GPU
 #                                                   # time per step by kernel category
-#   scripts/gpu_speed_check.sh WHEELS OUT memsnap   # ~3 min: float8, ours and upstream with the
-#                                                   # allocator history recorded (12 steps):
+#   scripts/gpu_speed_check.sh WHEELS OUT memsnap   # ~3.5 min: float8, ours (also with the
+#                                                   # float8 weight copies) and upstream with
+#                                                   # the allocator history recorded (12 steps):
 #                                                   # what is live at each one's peak
 #
 # WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
@@ -137,13 +138,16 @@ memsnap)
     snap="--profiling.enable_memory_snapshot --profiling.save_memory_snapshot_folder memory_snapshot \
 --profiling.profile_freq $MEMSNAP_STEPS"
     rm -rf "$work"/dumps/*/memory_snapshot  # an earlier run's
+    # (and ours with the float8 linears' weight copies: the run that was 2.3 GiB over upstream)
     step memsnap 420 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
-        "${MEMSNAP_RUN[@]}" --both-flags "$snap" --out "$out/table_memsnap.md"
+        "${MEMSNAP_RUN[@]}" --both-flags "$snap" --out "$out/table_memsnap.md" \
+        --ours-variant "f8_copies=--training.weight_copies on"
     for setting in $MEMSNAP_SETTINGS_LIST; do
         # the whole window (a first step's one-off peak included), then the steady state
         for after in 0 50%; do
             step "peak_${setting}_${after%\%}" 120 "$py" scripts/memory_peak.py --top 25 \
                 --after "$after" "ours=$work/dumps/ours_${setting}_0/memory_snapshot" \
+                "f8_copies=$work/dumps/ours-f8_copies_${setting}_0/memory_snapshot" \
                 "upstream=$work/dumps/upstream_${setting}_0/memory_snapshot" \
                 --json "$out/peak_${setting}_${after%\%}.json"
             { echo "### $setting, peak after $after"; cat "$out/peak_${setting}_${after%\%}.log"; } \
