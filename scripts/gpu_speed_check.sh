@@ -8,9 +8,11 @@
 #   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~5 min: bf16 (ours, upstream), then float8
 #                                                   # with a memory choice as a variant (loss
 #                                                   # chunks of 4096)
-#   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~4 min: the compiled optimizer steps' CUDA
-#                                                   # tests; the loss path alone at Llama 3 8B's
-#                                                   # output shape; the memory estimate vs the GPU
+#   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~5 min: the compiled optimizer steps' CUDA
+#                                                   # tests; the optimizer step alone (fused,
+#                                                   # static / dynamic compiled, copies) and the
+#                                                   # loss path alone at Llama 3 8B's shapes; the
+#                                                   # memory estimate vs the GPU
 #   scripts/gpu_speed_check.sh WHEELS OUT optim     # ~4 min: bf16 (only) with the opt-in bf16
 #                                                   # optimizer state as a variant
 #   scripts/gpu_speed_check.sh WHEELS OUT profile   # ~3 min: bf16, ours / levers off / upstream
@@ -47,6 +49,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     PROFILE_STEPS=4
     MEMSNAP_RUN=(--device cpu --settings bf16 --steps 4 --log-freq 2 --warmup 1)
     MEMSNAP_STEPS=4 MEMSNAP_SETTINGS_LIST=bf16
+    OPTIM_SHAPE=(--device cpu --layers 1 --iters 3)
     LOSS_SHAPE=(--device cpu --tokens 512 --dim 64 --vocab 4000 --chunk 128 --iters 2)
     MEMORY_CONFIG=(train_configs/debug_model.toml --training.seq_len 64
                    --training.local_batch_size 2)
@@ -61,6 +64,7 @@ else
     MEMSNAP_RUN=(--settings "${MEMSNAP_SETTINGS:-float8}" --steps 12 --log-freq 4 --warmup 4)
     MEMSNAP_STEPS=12 MEMSNAP_SETTINGS_LIST=${MEMSNAP_SETTINGS:-float8}
     MEMSNAP_SETTINGS_LIST=${MEMSNAP_SETTINGS_LIST//,/ }
+    OPTIM_SHAPE=(--device cuda --layers 4)  # 8B_4layers' parameters
     LOSS_SHAPE=(--device cuda --tokens 8192 --dim 4096 --vocab 128256 --dtype bfloat16 --compile
                 --chunk 8192)
     MEMORY_CONFIG=(train_configs/llama3_8b.toml --training.local_batch_size 1
@@ -103,6 +107,8 @@ compare_upstream_setup as s; s.install_wheels(Path('$wheels'), Path('$work/site'
             tests/unit/test_weight_copies.py tests/unit/test_optimizer_state_dtype.py -k cuda
         tail -3 "$out/cuda_steps.log" >>"$out/summary.txt"
     fi
+    step optimizer_step 180 "$py" scripts/benchmark_optimizer.py "${OPTIM_SHAPE[@]}"
+    tail -7 "$out/optimizer_step.log" | head -6 >>"$out/summary.txt"
     step loss_path 240 "$py" scripts/benchmark_loss.py "${LOSS_SHAPE[@]}"
     tail -6 "$out/loss_path.log" | head -5 >>"$out/summary.txt"
     step memory 300 "$py" scripts/estimate_memory.py --job.config_file "${MEMORY_CONFIG[@]}" \

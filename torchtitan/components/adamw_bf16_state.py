@@ -20,6 +20,7 @@ here are rounded to bfloat16, bfloat16 ones loaded by torch's Adam are widened e
 from __future__ import annotations
 
 import contextlib
+import functools
 from itertools import chain
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-__all__ = ["AdamBF16State", "adam_bf16_state_step", "check_state_dtype"]
+__all__ = ["AdamBF16State", "adam_bf16_state_step", "check_state_dtype", "compiled_step"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -119,18 +120,23 @@ def adam_bf16_state_step(
         weight_copy.copy_(p32)
 
 
-_compiled_step = None
+@functools.cache
+def compiled_step(backend: Any = "inductor") -> Any:
+    """:func:`adam_bf16_state_step` compiled, one graph per parameter shape and dtype. Static
+    shapes on purpose: with torch's automatic dynamic shapes the third distinct shape would
+    give a graph for any ``[s0, s1]``, whose kernel cannot know that its element count is a
+    multiple of 16, so its loads are masked element by element instead of vectorised (the
+    step is bound by memory bandwidth). A model has a handful of shapes; ``step`` lifts the
+    recompile limit around the call."""
+    return torch.compile(adam_bf16_state_step, fullgraph=True, dynamic=False, backend=backend)
 
 
 def _step_fn(p: Tensor):
     """The compiled step for plain CUDA tensors, the eager one for anything else (CPU, fake
     and local-simulation tensors)."""
-    global _compiled_step
     if not p.is_cuda or type(p) not in (Tensor, torch.nn.Parameter):
         return adam_bf16_state_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(adam_bf16_state_step, fullgraph=True)
-    return _compiled_step
+    return compiled_step()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -243,8 +249,8 @@ class AdamBF16State(torch.optim.Optimizer):
 
 
 def _no_recompile_limit(fn: Any):
-    """Compiled steps specialise per shape and dtype; a model has a handful of each, which the
-    default recompile limit may cut short (eager fallback)."""
+    """Compiled steps specialise per shape and dtype (:func:`compiled_step`); a model has a
+    handful of each, which the default recompile limit may cut short (eager fallback)."""
     if fn is adam_bf16_state_step:
         return contextlib.nullcontext()
     return torch._dynamo.utils.disable_cache_limit()
