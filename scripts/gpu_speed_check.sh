@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The speed issue's GPU measurements as prepared runs for one H100 (each phase under 10 minutes):
 #
+#   scripts/gpu_speed_check.sh WHEELS OUT next      # <= 9.5 min: choices, optstep, memsnap, each
+#                                                   # only when its time fits (BUDGET_S=570)
 #   scripts/gpu_speed_check.sh WHEELS OUT harness   # ~7 min: ours vs upstream, bf16 + float8,
 #                                                   # plus ours with the levers off, same run
 #                                                   # (HARNESS_SETTINGS=bf16, then =float8: two
@@ -22,6 +24,8 @@
 #                                                   # float8 weight copies) and upstream with
 #                                                   # the allocator history recorded (10 steps):
 #                                                   # what is live at each one's peak
+#   scripts/gpu_speed_check.sh WHEELS OUT optstep   # ~1 min: the optimizer step alone (fused,
+#                                                   # compiled static / dynamic, copies)
 #
 # WHEELS: the folder `python scripts/compare_upstream.py --fetch-wheels WHEELS` filled on a
 # machine with network (upstream torchtitan 0.2.2 and what a bare GPU image lacks); they are
@@ -29,10 +33,11 @@
 # summary.txt (the tables). $WORK defaults to /tmp/compare_upstream. See docs/performance.md.
 # SMOKE=1 runs the same plumbing on the CPU at toy sizes (no figure is a measurement).
 set -u
-usage="usage: scripts/gpu_speed_check.sh WHEELS OUT harness|choices|levers|optim|profile|memsnap"
+usage="usage: scripts/gpu_speed_check.sh WHEELS OUT next|harness|choices|levers|optim|profile|memsnap|optstep"
 wheels=${1:?$usage}
 out=${2:?$usage}
 phase=${3:?$usage}
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 work=${WORK:-/tmp/compare_upstream}
@@ -138,6 +143,26 @@ profile)
         { echo "### $setting"; cat "$out/breakdown_$setting.log"; } >>"$out/summary.txt"
     done
     ;;
+optstep)
+    # the optimizer step alone: torch's fused AdamW, the compiled step static / dynamic, copies
+    step optimizer_step 180 "$py" scripts/benchmark_optimizer.py "${OPTIM_SHAPE[@]}"
+    tail -7 "$out/optimizer_step.log" | head -6 >>"$out/summary.txt"
+    ;;
+next)
+    # the next GPU call in one command: the phases in order of what the speed issue lacks,
+    # each started only when its usual time fits in what is left of BUDGET_S (default 570 s,
+    # under the device tool's 600 s limit), so none is killed half-way
+    deadline=$(( SECONDS + ${BUDGET_S:-570} ))
+    for pair in ${NEXT_PHASES:-choices:330 optstep:90 memsnap:220}; do
+        name=${pair%%:*} need=${pair##*:}
+        left=$(( deadline - SECONDS ))
+        if (( need > left )); then
+            echo "$name: skipped, needs ~$need s, $left s left of BUDGET_S" | tee -a "$out/summary.txt"
+            continue
+        fi
+        bash "$self" "$wheels" "$out" "$name" >/dev/null
+    done
+    ;;
 memsnap)
     # both trainers record the allocator's history and dump it at the last step (the table is
     # no measurement: recording stacks slows the steps); what each one holds at its peak
@@ -160,7 +185,7 @@ memsnap)
     done
     ;;
 *)
-    echo "error: unknown phase '$phase' (harness, choices, levers, optim, profile or memsnap)" >&2
+    echo "error: unknown phase '$phase' (next, harness, choices, levers, optim, profile, memsnap or optstep)" >&2
     exit 2
     ;;
 esac

@@ -271,6 +271,23 @@ def test_gpu_speed_check_levers_phase_runs_on_the_cpu(tmp_path):
     assert "chunked / logits: time" in summary and "CPU STAND-IN" in summary
 
 
+@pytest.mark.slow  # ~15 s: the optimizer benchmark at toy sizes
+def test_gpu_speed_check_next_phase_runs_what_fits_in_its_budget(tmp_path):
+    """The next GPU call as one command: a phase whose usual time exceeds what is left of
+    BUDGET_S is skipped with a line saying so; the rest run (SMOKE=1: CPU, toy sizes)."""
+    wheels, out = tmp_path / "wheels", tmp_path / "out"
+    wheels.mkdir()
+    env = {**os.environ, "SMOKE": "1", "WORK": str(tmp_path / "work"), "BUDGET_S": "120",
+           "NEXT_PHASES": "memsnap:1000 optstep:60"}
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_speed_check.sh"),
+                           str(wheels), str(out), "next"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    summary = (out / "summary.txt").read_text()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "memsnap: skipped, needs ~1000 s" in summary
+    assert "optimizer_step: exit 0" in summary and "| static |" in summary
+
+
 def test_our_version_says_when_the_tree_differs_from_its_commit(cu, tmp_path, monkeypatch):
     """The table names the code it measured: a GPU machine's copy of an edited tree must not
     pass for its checkout's commit."""
