@@ -199,10 +199,13 @@ def _weight_copies(cfg: JobConfig, parallel_dims: ParallelDims, autocast: torch.
                              "linear layer weights to copy")
         return None
     n = sum(w.numel() for w in copies.masters)
-    skipped = 0 if every else uncopied_float8_linears(model_parts)
+    views = len(copies.views)
+    skipped = 0 if every else uncopied_float8_linears(model_parts) - views
     logger.info(f"Weight copies: {len(copies)} linear weights ({n:,} parameters) in "
                 f"{str(autocast).removeprefix('torch.')}, written by the optimizer step "
                 "(--training.weight_copies off: autocast casts them every step)"
+                + (f"; {views} float8 linears cast their float32 weights and keep bf16 "
+                   "gradients through views of them (no memory)" if views else "")
                 + (f"; not the {skipped} float8 linears' (--training.weight_copies on copies "
                    "them too: faster, 2 bytes a parameter more memory)" if skipped else ""))
     return copies

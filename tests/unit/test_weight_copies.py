@@ -289,8 +289,9 @@ def test_on_cuda_compiled_training_with_copies_equals_the_autocast_path(tmp_path
     copies = run_tiny(tmp_path / "copies", *flags)
     gc.enable()
     assert plain.run.weight_copies is None and len(copies.run.weight_copies) > 0
-    if converter:  # auto: the output head only; on: the 14 float8 linears too
-        assert len(copies.run.weight_copies) == 1
+    if converter:  # auto: the output head only (the 14 float8 linears: gradient views);
+        assert len(copies.run.weight_copies) == 1  # on: the 14 float8 linears copied too
+        assert len(copies.run.weight_copies.views) == 14
         every = run_tiny(tmp_path / "every", *flags, "--training.weight_copies", "on")
         assert len(every.run.weight_copies) == 15
         for a, b in zip(every.history, plain.history):

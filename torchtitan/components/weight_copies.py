@@ -18,7 +18,9 @@ Memory: a plain linear's copy takes the place of the cast autocast would hold fr
 to the backward anyway, so ``auto`` costs no memory at the peak. A ``Float8Linear`` casts its
 float32 weight straight to float8, so its copy (2 bytes a parameter, for the whole run) is
 memory the plain float8 path never holds: only ``on`` copies those (faster casts and bfloat16
-gradients for that memory).
+gradients for that memory). ``auto`` gives a tensorwise ``Float8Linear`` a gradient view
+instead (``float8_grad_views.py``): its gradient stays bfloat16 through a view of its own
+weight's storage, which stands in like a copy and is never written.
 
 Outside :meth:`~WeightCopies.active` the float32 weights are the modules' parameters as
 always: checkpoints, the optimizer's state, exports and the memory figures see them. A copy
@@ -41,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan.components.float8_grad_views import attach_grad_view, supports_grad_view
+
 __all__ = [
     "WeightCopies",
     "build_weight_copies",
@@ -54,7 +58,8 @@ __all__ = [
 class WeightCopies:
     """The copied modules with their float32 weights and the copies (``dtype``)."""
 
-    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype,
+                 view_modules: Sequence[nn.Module] = ()) -> None:
         self.dtype = dtype
         self.modules = list(modules)
         self.masters = [m.weight for m in self.modules]
@@ -64,20 +69,33 @@ class WeightCopies:
         self._copy_of = {id(w): c for w, c in zip(self.masters, self.copies)}
         self._index = {id(w): i for i, w in enumerate(self.masters)}
         self._versions = [w._version for w in self.masters]
+        # Float8Linear gradient views (float8_grad_views.py): bf16 leaves over the weights'
+        # own storage, standing in like copies, never written
+        self.view_modules = list(view_modules)
+        self.view_masters = [m.weight for m in self.view_modules]
+        self.views = [attach_grad_view(m) for m in self.view_modules]
+        self._view_of = {id(w): v for w, v in zip(self.view_masters, self.views)}
         self._depth = 0
 
     def __len__(self) -> int:
+        """The copied modules (gradient views not counted)."""
         return len(self.modules)
 
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.view_modules)
+
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """``weight``'s copy (None: not copied)."""
+        """``weight``'s copy (None: not copied; a gradient view is no copy to write)."""
         return self._copy_of.get(id(weight))
 
     def grad_of(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """``weight``'s gradient of the step: its copy's where it has one (else its own,
-        which torch's checkpoint loader sets to initialise the optimizer state)."""
-        copy = self._copy_of.get(id(weight))
-        return copy.grad if copy is not None and copy.grad is not None else weight.grad
+        """``weight``'s gradient of the step: its copy's or gradient view's where it has one
+        (else its own, which torch's checkpoint loader sets to initialise the optimizer
+        state)."""
+        stand_in = self._copy_of.get(id(weight))
+        if stand_in is None:
+            stand_in = self._view_of.get(id(weight))
+        return stand_in.grad if stand_in is not None and stand_in.grad is not None else weight.grad
 
     def written(self, weight: torch.Tensor) -> None:
         """The optimizer wrote ``weight`` and its copy together: the copy is current."""
@@ -99,7 +117,7 @@ class WeightCopies:
         uses keep them in until the outermost ends."""
         if self._depth == 0:
             self.refresh()
-            for m, c in zip(self.modules, self.copies):
+            for m, c in zip(self.modules + self.view_modules, self.copies + self.views):
                 m._parameters["weight"] = c
         self._depth += 1
         try:
@@ -107,11 +125,12 @@ class WeightCopies:
         finally:
             self._depth -= 1
             if self._depth == 0:
-                for m, w in zip(self.modules, self.masters):
+                for m, w in zip(self.modules + self.view_modules,
+                                self.masters + self.view_masters):
                     m._parameters["weight"] = w
 
     def zero_grad(self) -> None:
-        for c in self.copies:
+        for c in self.copies + self.views:
             c.grad = None
 
 
@@ -151,11 +170,15 @@ def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
 def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype,
                         float8: bool = True) -> WeightCopies:
     """Copies of every copyable module's weight in ``model_parts`` (tied weights excluded:
-    the embedding reads them too; ``float8=False``: ``Float8Linear`` weights excluded)."""
+    the embedding reads them too); ``float8=False``: ``Float8Linear`` weights get no copy,
+    and gradient views where their scaling allows (bf16 compute dtype)."""
     shared = _shared_weights(model_parts)
-    modules = [m for part in model_parts for m in part.modules()
-               if _copyable(m, float8) and id(m.weight) not in shared]
-    return WeightCopies(modules, dtype)
+    candidates = [m for part in model_parts for m in part.modules()
+                  if _copyable(m) and id(m.weight) not in shared]
+    modules = [m for m in candidates if float8 or _copyable(m, float8=False)]
+    views = [] if float8 or dtype != torch.bfloat16 else [
+        m for m in candidates if m not in modules and supports_grad_view(m)]
+    return WeightCopies(modules, dtype, views)
 
 
 def uncopied_float8_linears(model_parts: Sequence[nn.Module]) -> int:
