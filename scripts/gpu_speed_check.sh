@@ -7,9 +7,9 @@
 #                                                   # plus ours with the levers off, same run
 #                                                   # (HARNESS_SETTINGS=bf16, then =float8: two
 #                                                   # calls of ~4 min where 10 is the limit)
-#   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~5 min: bf16 (ours, upstream), then float8
-#                                                   # with a memory choice as a variant (loss
-#                                                   # chunks of 4096)
+#   scripts/gpu_speed_check.sh WHEELS OUT choices   # ~7 min: bf16 (ours, upstream), then float8
+#                                                   # with the gradient views off and loss
+#                                                   # chunks of 4096 as variants
 #   scripts/gpu_speed_check.sh WHEELS OUT levers    # ~5 min: the compiled optimizer steps' CUDA
 #                                                   # tests; the optimizer step alone (fused,
 #                                                   # static / dynamic compiled, copies) and the
@@ -96,8 +96,8 @@ choices)
         "${OPTIM_SETTINGS[@]}" --out "$out/table_bf16.md"
     cat "$out/table_bf16.md" >>"$out/summary.txt" 2>/dev/null
     step choices_float8 400 "$py" scripts/compare_upstream.py --wheels "$wheels" --work-dir "$work" \
-        "${FLOAT8_SETTINGS[@]}" --ours-variant "chunk4k=--training.loss_chunk_size 4096" \
-        --out "$out/table_float8.md"
+        "${FLOAT8_SETTINGS[@]}" --ours-variant "no_views=--float8.no_weight_grad_views" \
+        --ours-variant "chunk4k=--training.loss_chunk_size 4096" --out "$out/table_float8.md"
     cat "$out/table_float8.md" >>"$out/summary.txt" 2>/dev/null
     ;;
 levers)
@@ -153,7 +153,7 @@ next)
     # each started only when its usual time fits in what is left of BUDGET_S (default 570 s,
     # under the device tool's 600 s limit), so none is killed half-way
     deadline=$(( SECONDS + ${BUDGET_S:-570} ))
-    for pair in ${NEXT_PHASES:-choices:330 optstep:90 memsnap:220}; do
+    for pair in ${NEXT_PHASES:-choices:450 optstep:90 memsnap:220}; do
         name=${pair%%:*} need=${pair##*:}
         left=$(( deadline - SECONDS ))
         if (( need > left )); then

@@ -192,7 +192,8 @@ def _weight_copies(cfg: JobConfig, parallel_dims: ParallelDims, autocast: torch.
     if not choose_weight_copies(cfg, parallel_dims, autocast, device_type, grad_accum):
         return None
     every = cfg.training.weight_copies == "on"
-    copies = build_weight_copies(model_parts, autocast, float8=every)
+    copies = build_weight_copies(model_parts, autocast, float8=every,
+                                 grad_views=cfg.float8.weight_grad_views)
     if not copies:
         if every:
             raise ValueError("training.weight_copies=on cannot apply: the model has no plain "

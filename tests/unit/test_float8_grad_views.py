@@ -64,6 +64,9 @@ def test_only_tensorwise_weights_get_views():
     assert not any(supports_grad_view(m) for m in _converted("rowwise") if hasattr(m, "config"))
     copies = build_weight_copies([_converted("rowwise")], torch.bfloat16, float8=False)
     assert not copies  # nothing to copy, nothing to view: the run keeps the plain path
+    # --float8.no_weight_grad_views: torchao's float32 gradients
+    off = build_weight_copies([_converted()], torch.bfloat16, float8=False, grad_views=False)
+    assert not off and off.views == []
     # ``on`` copies the float8 weights instead (faster casts, 2 bytes a parameter)
     on = build_weight_copies([_converted()], torch.bfloat16, float8=True)
     assert len(on) == 2 and on.views == []

@@ -168,15 +168,15 @@ def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
 
 
 def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype,
-                        float8: bool = True) -> WeightCopies:
+                        float8: bool = True, grad_views: bool = True) -> WeightCopies:
     """Copies of every copyable module's weight in ``model_parts`` (tied weights excluded:
     the embedding reads them too); ``float8=False``: ``Float8Linear`` weights get no copy,
-    and gradient views where their scaling allows (bf16 compute dtype)."""
+    and gradient views where their scaling allows (bf16 compute dtype; ``grad_views``)."""
     shared = _shared_weights(model_parts)
     candidates = [m for part in model_parts for m in part.modules()
                   if _copyable(m) and id(m.weight) not in shared]
     modules = [m for m in candidates if float8 or _copyable(m, float8=False)]
-    views = [] if float8 or dtype != torch.bfloat16 else [
+    views = [] if float8 or not grad_views or dtype != torch.bfloat16 else [
         m for m in candidates if m not in modules and supports_grad_view(m)]
     return WeightCopies(modules, dtype, views)
 
