@@ -29,12 +29,14 @@ def _converted(recipe: str = "tensorwise", bias: bool = False) -> nn.Module:
     return convert_to_float8_training(model, config=config)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_view_gives_the_plain_paths_values_in_bf16(bias):
-    """Forward, input gradient and weight gradient equal torchao's (eager), the weight's
+@pytest.mark.parametrize("recipe,bias", [("tensorwise", False), ("tensorwise", True),
+                                         ("rowwise", False), ("rowwise_with_gw_hp", False)])
+def test_a_view_gives_the_plain_paths_values_in_bf16(recipe, bias):
+    """Forward, input gradient and weight gradient equal torchao's (eager) for every recipe,
+    the weight's
     gradient arriving in bf16 on the view and none on the float32 weight. bf16 inputs, as
     CUDA autocast gives them (torchao's rule), so torchao's weight gradient is bf16 too."""
-    plain, viewed = _converted(bias=bias), _converted(bias=bias)
+    plain, viewed = _converted(recipe, bias), _converted(recipe, bias)
     copies = build_weight_copies([viewed], torch.bfloat16, float8=False)
     assert copies.modules == [] and copies.view_modules == [viewed[0], viewed[2]]
     for view, weight in zip(copies.views, copies.view_masters):
@@ -59,11 +61,10 @@ def test_a_view_gives_the_plain_paths_values_in_bf16(bias):
     assert torch.equal(viewed(x), plain(x))
 
 
-def test_only_tensorwise_weights_get_views():
-    assert all(supports_grad_view(m) for m in _converted("tensorwise") if hasattr(m, "config"))
-    assert not any(supports_grad_view(m) for m in _converted("rowwise") if hasattr(m, "config"))
-    copies = build_weight_copies([_converted("rowwise")], torch.bfloat16, float8=False)
-    assert not copies  # nothing to copy, nothing to view: the run keeps the plain path
+def test_which_weights_get_views():
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        assert all(supports_grad_view(m) for m in _converted(recipe) if hasattr(m, "config"))
+    assert not supports_grad_view(nn.Linear(4, 4))  # plain linears get copies
     # --float8.no_weight_grad_views: torchao's float32 gradients
     off = build_weight_copies([_converted()], torch.bfloat16, float8=False, grad_views=False)
     assert not off and off.views == []

@@ -8,18 +8,18 @@ weight, which costs 2 bytes a parameter for the whole run (the plain float8 path
 bfloat16 weight at all). Here the module instead gets a **gradient view**: a bfloat16 tensor
 over the high halves of its float32 weight's own storage (no memory), which stands in as the
 module's ``weight`` during the step (:meth:`WeightCopies.active`). The forward still casts the
-float32 weight to float8 exactly as torchao does; the float8 weight is attached to the
-autograd graph through the view, so the gradient arriving there is torchao's bfloat16 gradient,
-kept as it is: no widening pass, half the gradient memory, the norm and the optimizer step
+float32 weight to float8 exactly as torchao does, and the weight's gradient is handed to the
+view, so it stays torchao's bfloat16 gradient: no widening pass, half the gradient memory, the norm and the optimizer step
 read 2 bytes. The view's values are never read (they are the float32 weight's truncated high
 halves); the optimizer step reads the view's gradient, updates the float32 weight and writes
 nothing else.
 
-Numerics: the forward and backward are torchao's tensorwise path's; the weight's float8 values
-for the input gradient are the forward's (torchao recasts the float32 weight with the same
-settings: the same values). The gradient equals the plain path's float32 one exactly (a
-widened bfloat16). Tensorwise scaling only: rowwise scales the weight along another axis for
-the input gradient, so those layers keep torchao's path.
+Numerics: the forward and backward are torchao's own (its matmul function runs under this
+module's autograd function, saving the input and the float32 weight and recasting the weight
+in the backward as always); only the weight's gradient goes to the view instead of the
+weight. Under CUDA autocast (bf16, where ``training.weight_copies=auto`` applies) torchao's
+weight gradient is bf16, so it equals the plain path's widened float32 one exactly. Every
+recipe (tensorwise, rowwise, rowwise_with_gw_hp).
 """
 
 from __future__ import annotations
@@ -34,69 +34,43 @@ __all__ = ["attach_grad_view", "grad_view_of", "supports_grad_view"]
 
 
 class _Float8:
-    """torchao's float8 training pieces, loaded when first needed (torchao is imported by
-    then: the model was converted); module globals, which compiled code reads freely."""
+    """torchao's float8 matmul's forward and backward as plain functions (what its autograd
+    function runs), loaded when first needed (torchao is imported by then: the model was
+    converted); class attributes, which compiled code reads freely."""
 
-    loaded = False
+    forward = backward = None
 
     @classmethod
-    def load(cls) -> type[_Float8]:
-        if not cls.loaded:
-            from torchao.float8.config import ScalingGranularity, ScalingType
-            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-            from torchao.float8.float8_scaling_utils import (
-                get_maybe_axiswise_dim,
-                hp_tensor_to_float8_dynamic,
-            )
-            from torchao.float8.float8_training_tensor import (
-                Float8TrainingTensor,
-                GemmInputRole,
-            )
+    def load(cls) -> None:
+        if cls.forward is None:
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args as matmul
 
-            cls.ScalingGranularity, cls.ScalingType = ScalingGranularity, ScalingType
-            cls.matmul, cls.axiswise_dim = matmul_with_hp_or_float8_args, get_maybe_axiswise_dim
-            cls.to_float8, cls.Float8TrainingTensor = hp_tensor_to_float8_dynamic, Float8TrainingTensor
-            cls.GemmInputRole = GemmInputRole
-            cls.loaded = True
-        return cls
+            cls.forward = staticmethod(matmul.__dict__["forward"].__func__)
+            cls.backward = staticmethod(matmul.__dict__["backward"].__func__)
 
 
 def supports_grad_view(module: nn.Module) -> bool:
-    """A ``Float8Linear`` (exactly) with tensorwise weight scaling, on a little-endian machine
-    (a float32's high half is its second bfloat16 there)."""
+    """A ``Float8Linear`` (exactly) with a float32 weight, on a little-endian machine (a
+    float32's high half is its second bfloat16 there)."""
     module_type = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
-    if module_type is None or type(module) is not module_type or sys.byteorder != "little":
-        return False
-    f8 = _Float8.load()
-    casts = (module.config.cast_config_weight, module.config.cast_config_weight_for_grad_input)
-    return (module.weight.dtype == torch.float32
-            and all(c.scaling_type is f8.ScalingType.DYNAMIC
-                    and c.scaling_granularity is f8.ScalingGranularity.TENSORWISE
-                    and c.target_dtype == casts[0].target_dtype for c in casts))
+    return (module_type is not None and type(module) is module_type
+            and sys.byteorder == "little" and module.weight.dtype == torch.float32)
 
 
-class _Float8WeightWithViewGrad(torch.autograd.Function):
-    """The float32 weight (transposed, detached) cast to float8 as torchao casts it, as a
-    float8 tensor whose gradient goes to ``view_t`` unchanged (its dtype is the view's, so
-    autograd does not widen it)."""
+class _Float8MatmulWithViewGrad(torch.autograd.Function):
+    """torchao's float8 matmul (its own forward and backward, run under this function's
+    context: it saves the input and the float32 weight, and recasts the weight in the
+    backward as always), with the weight's gradient handed to ``view_t``: its dtype is the
+    view's, so autograd does not widen it."""
 
     @staticmethod
-    def forward(ctx, weight_t, view_t, config, mm_config):
-        f8 = _Float8
-        cast = config.cast_config_weight
-        w8 = f8.to_float8(
-            weight_t, cast.target_dtype, mm_config, gemm_input_role=f8.GemmInputRole.WEIGHT,
-            scaling_granularity=cast.scaling_granularity,
-            axiswise_dim=f8.axiswise_dim(0, cast.scaling_granularity),
-            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
-        )
-        return f8.Float8TrainingTensor(w8._data, w8._scale, view_t.dtype,
-                                       w8._linear_mm_config, w8._gemm_input_role,
-                                       w8._axiswise_dim)
+    def forward(ctx, input, weight_t, view_t, mm_config, config):
+        return _Float8.forward(ctx, input, weight_t, mm_config, config)
 
     @staticmethod
-    def backward(ctx, grad):
-        return None, grad, None, None
+    def backward(ctx, grad_output):
+        grad_input, grad_weight_t, *_ = _Float8.backward(ctx, grad_output)
+        return grad_input, None, grad_weight_t, None, None
 
 
 def _forward_with_grad_view(self, input: torch.Tensor) -> torch.Tensor:
@@ -107,11 +81,9 @@ def _forward_with_grad_view(self, input: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, input)
     if torch.is_autocast_enabled("cuda"):  # torchao's rule: the CUDA autocast dtype
         input = input.to(torch.get_autocast_dtype("cuda"))
-    weight_t = _Float8WeightWithViewGrad.apply(
-        self._float32_weight.detach().t(), view.t(), self.config,
-        self.linear_mm_config,
+    out = _Float8MatmulWithViewGrad.apply(
+        input, self._float32_weight.detach().t(), view.t(), self.linear_mm_config, self.config
     )
-    out = _Float8.matmul.apply(input, weight_t, self.linear_mm_config, self.config)
     return out if self.bias is None else out + self.bias.to(out.dtype)
 
 

@@ -18,7 +18,7 @@ Memory: a plain linear's copy takes the place of the cast autocast would hold fr
 to the backward anyway, so ``auto`` costs no memory at the peak. A ``Float8Linear`` casts its
 float32 weight straight to float8, so its copy (2 bytes a parameter, for the whole run) is
 memory the plain float8 path never holds: only ``on`` copies those (faster casts and bfloat16
-gradients for that memory). ``auto`` gives a tensorwise ``Float8Linear`` a gradient view
+gradients for that memory). ``auto`` gives a ``Float8Linear`` a gradient view
 instead (``float8_grad_views.py``): its gradient stays bfloat16 through a view of its own
 weight's storage, which stands in like a copy and is never written.
 
@@ -170,8 +170,8 @@ def _shared_weights(model_parts: Sequence[nn.Module]) -> set[int]:
 def build_weight_copies(model_parts: Sequence[nn.Module], dtype: torch.dtype,
                         float8: bool = True, grad_views: bool = True) -> WeightCopies:
     """Copies of every copyable module's weight in ``model_parts`` (tied weights excluded:
-    the embedding reads them too); ``float8=False``: ``Float8Linear`` weights get no copy,
-    and gradient views where their scaling allows (bf16 compute dtype; ``grad_views``)."""
+    the embedding reads them too); ``float8=False``: ``Float8Linear`` weights get no copy
+    but a gradient view (bf16 compute dtype; ``grad_views``)."""
     shared = _shared_weights(model_parts)
     candidates = [m for part in model_parts for m in part.modules()
                   if _copyable(m) and id(m.weight) not in shared]

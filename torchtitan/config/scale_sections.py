@@ -208,7 +208,7 @@ class Float8:
     """MoE modules converted to float8 grouped GEMMs (prototype)."""
 
     weight_grad_views: bool = True
-    """Where training.weight_copies=auto applies: tensorwise float8 linears keep their weight
+    """Where training.weight_copies=auto applies: float8 linears keep their weight
     gradients in bf16 through views of their own weights (no memory, no widening pass; the
     plain path's numbers). --float8.no_weight_grad_views: torchao's float32 gradients."""
 
