@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STEP = re.compile(
-    r"step:\s*(?P<step>\d+)\s+loss:.*?"
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)?.*?"
     r"memory:\s*(?P<mem>-?[\d.]+)GiB.*?"
     r"tps:\s*(?P<tps>[\d,]+)\s+"
     r"tflops:\s*(?P<tflops>[\d,.]+)\s+"
@@ -36,6 +36,7 @@ class StepLine:
     tflops: float
     mfu: float | None  # percent; None where the trainer knows no peak for the device
     memory_gib: float | None  # None where the trainer has no reading (negative in the log)
+    loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RunSummary:
     mfu: float | None
     memory_gib: float | None  # the largest peak among the averaged lines
     steps: tuple[int, ...]
+    last_loss: float | None = None  # the last logged step's (a sanity check across variants)
 
 
 def parse_steps(text: str) -> list[StepLine]:
@@ -65,6 +67,7 @@ def parse_steps(text: str) -> list[StepLine]:
             tflops=float(m["tflops"].replace(",", "")),
             mfu=None if m["mfu"] is None else float(m["mfu"]),
             memory_gib=None if m["mem"].startswith("-") else float(m["mem"]),
+            loss=None if m["loss"] is None else float(m["loss"]),
         ))
     return out
 
@@ -83,6 +86,7 @@ def summarize(text: str, warmup: int) -> RunSummary:
         mfu=None if None in mfus else statistics.fmean(mfus),
         memory_gib=max(mems) if mems else None,
         steps=tuple(s.step for s in lines),
+        last_loss=lines[-1].loss,
     )
 
 
@@ -98,6 +102,8 @@ def combine(runs: list[RunSummary]) -> RunSummary | None:
         mfu=None if None in mfus else statistics.fmean(mfus),
         memory_gib=max(mems) if mems else None,
         steps=runs[0].steps,
+        last_loss=None if any(r.last_loss is None for r in runs)
+        else statistics.fmean(r.last_loss for r in runs),
     )
 
 
@@ -117,8 +123,9 @@ def markdown_table(rows: list[tuple[str, RunSummary | None, RunSummary | None]],
     """The table for docs/performance.md: one row per (label, ours, upstream); a side that
     failed shows ``failed``."""
     head = (f"| setting | this project tok/s | upstream {upstream_version} tok/s | ratio "
-            "| MFU % (ours / upstream) | peak GiB (ours / upstream) |\n"
-            "|---|---|---|---|---|---|\n")
+            "| MFU % (ours / upstream) | peak GiB (ours / upstream) "
+            "| last loss (ours / upstream) |\n"
+            "|---|---|---|---|---|---|---|\n")
     body = []
     for label, ours, up in rows:
         r = ratio(ours, up)
@@ -127,7 +134,8 @@ def markdown_table(rows: list[tuple[str, RunSummary | None, RunSummary | None]],
             f"| {'failed' if up is None else f'{up.tps:,.0f}'} "
             f"| {'n/a' if r is None else f'{r:.3f}'} "
             f"| {_pair(ours and ours.mfu, up and up.mfu, '.2f')} "
-            f"| {_pair(ours and ours.memory_gib, up and up.memory_gib, '.2f')} |"
+            f"| {_pair(ours and ours.memory_gib, up and up.memory_gib, '.2f')} "
+            f"| {_pair(ours and ours.last_loss, up and up.last_loss, '.4f')} |"
         )
     return head + "\n".join(body) + "\n"
 
@@ -138,7 +146,7 @@ def _as_dict(s: RunSummary | None) -> dict | None:
     return {"tokens_per_s": round(s.tps, 1), "tflops": round(s.tflops, 2),
             "mfu_pct": None if s.mfu is None else round(s.mfu, 2),
             "peak_memory_gib": None if s.memory_gib is None else round(s.memory_gib, 2),
-            "steps": list(s.steps)}
+            "last_loss": s.last_loss, "steps": list(s.steps)}
 
 
 def json_line(rows: list[tuple[str, RunSummary | None, RunSummary | None]], **meta) -> str:

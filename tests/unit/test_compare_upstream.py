@@ -45,6 +45,7 @@ def test_parse_upstream_and_our_logs(cu):
     (gpu,) = cu.report.parse_steps(GPU_LINE + "\n[titan] validate step: 20  loss: 7.1\n")
     assert (gpu.step, gpu.tps, gpu.tflops, gpu.mfu, gpu.memory_gib) == (
         20, 53924, 2467.31, 31.53, 34.87)
+    assert [s.loss for s in up][0] > [s.loss for s in up][-1] > 0  # the logged losses
 
 
 def test_summary_averages_the_steps_after_warmup(cu):
@@ -64,20 +65,23 @@ def test_summary_averages_the_steps_after_warmup(cu):
 
 def test_table_ratio_and_json(cu):
     rs = cu.report.RunSummary
-    ours = cu.report.combine([rs(50000, 2000, 30.0, 35.0, (20, 30)),
-                              rs(52000, 2100, 32.0, 35.2, (20, 30))])
-    up = rs(50000, 2050, 31.0, 34.9, (20, 30))
+    ours = cu.report.combine([rs(50000, 2000, 30.0, 35.0, (20, 30), 7.0),
+                              rs(52000, 2100, 32.0, 35.2, (20, 30), 7.5)])
+    up = rs(50000, 2050, 31.0, 34.9, (20, 30), 7.1)
     assert ours.tps == 51000 and ours.mfu == 31.0 and ours.memory_gib == 35.2
     assert cu.report.ratio(ours, up) == pytest.approx(1.02)
     rows = [("bf16, AC none", ours, up), ("float8 tensorwise", None, up)]
     table = cu.report.markdown_table(rows, "0.2.2").splitlines()
     assert table[0].startswith("| setting | this project tok/s | upstream 0.2.2 tok/s | ratio")
-    assert table[2] == "| bf16, AC none | 51,000 | 50,000 | 1.020 | 31.00 / 31.00 | 35.20 / 34.90 |"
-    assert table[3] == "| float8 tensorwise | failed | 50,000 | n/a | n/a / 31.00 | n/a / 34.90 |"
+    assert table[2] == ("| bf16, AC none | 51,000 | 50,000 | 1.020 | 31.00 / 31.00 | 35.20 / 34.90 "
+                        "| 7.2500 / 7.1000 |")
+    assert table[3] == ("| float8 tensorwise | failed | 50,000 | n/a | n/a / 31.00 | n/a / 34.90 "
+                        "| n/a / 7.1000 |")
     data = json.loads(cu.report.json_line(rows, device="NVIDIA H100", torch="2.11"))
     assert data["device"] == "NVIDIA H100" and data["results"][0]["ratio"] == 1.02
     assert data["results"][1]["ours"] is None
     assert data["results"][0]["upstream"]["tokens_per_s"] == 50000
+    assert data["results"][0]["ours"]["last_loss"] == 7.25
 
 
 def test_same_flags_on_both_sides_except_the_setting(cu, tmp_path):
