@@ -9,7 +9,8 @@ Installs upstream torchtitan (pinned, 0.2.2) with ``pip install --no-deps --targ
 private folder (both are the package ``torchtitan``) and runs the two trainers alternately,
 one GPU each, for every setting (bf16 AC none, bf16 op SAC, flex + block_causal, float8
 tensorwise). Prints a table (tokens/s, ratio ours/upstream, MFU, peak memory, the last logged
-loss: variants of this project should agree there) from the logged steps after warm-up, then one JSON line with the device, versions and exact commands.
+loss: variants of this project should agree there) from the logged steps after warm-up,
+then one JSON line with the device, versions and exact commands.
 Exit 0; 2 when something cannot be set up; 1 when a run failed (its log's tail is printed).
 See docs/performance.md.
 """
