@@ -9,8 +9,8 @@ bfloat16 weight at all). Here the module instead gets a **gradient view**: a bfl
 over the high halves of its float32 weight's own storage (no memory), which stands in as the
 module's ``weight`` during the step (:meth:`WeightCopies.active`). The forward still casts the
 float32 weight to float8 exactly as torchao does, and the weight's gradient is handed to the
-view, so it stays torchao's bfloat16 gradient: no widening pass, half the gradient memory, the norm and the optimizer step
-read 2 bytes. The view's values are never read (they are the float32 weight's truncated high
+view, so it stays torchao's bfloat16 gradient: no widening pass, half the gradient memory,
+the norm and the optimizer step read 2 bytes. The view's values are never read (they are the float32 weight's truncated high
 halves); the optimizer step reads the view's gradient, updates the float32 weight and writes
 nothing else.
 
@@ -51,10 +51,17 @@ class _Float8:
 
 def supports_grad_view(module: nn.Module) -> bool:
     """A ``Float8Linear`` (exactly) with a float32 weight, on a little-endian machine (a
-    float32's high half is its second bfloat16 there)."""
+    float32's high half is its second bfloat16 there), with a torchao whose float8 matmul
+    has the form this module runs (else the layer keeps torchao's path)."""
     module_type = getattr(sys.modules.get("torchao.float8.float8_linear"), "Float8Linear", None)
-    return (module_type is not None and type(module) is module_type
-            and sys.byteorder == "little" and module.weight.dtype == torch.float32)
+    if not (module_type is not None and type(module) is module_type
+            and sys.byteorder == "little" and module.weight.dtype == torch.float32):
+        return False
+    try:
+        _Float8.load()
+    except (ImportError, KeyError, AttributeError):
+        return False
+    return True
 
 
 class _Float8MatmulWithViewGrad(torch.autograd.Function):
