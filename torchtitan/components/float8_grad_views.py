@@ -10,9 +10,9 @@ over the high halves of its float32 weight's own storage (no memory), which stan
 module's ``weight`` during the step (:meth:`WeightCopies.active`). The forward still casts the
 float32 weight to float8 exactly as torchao does, and the weight's gradient is handed to the
 view, so it stays torchao's bfloat16 gradient: no widening pass, half the gradient memory,
-the norm and the optimizer step read 2 bytes. The view's values are never read (they are the float32 weight's truncated high
-halves); the optimizer step reads the view's gradient, updates the float32 weight and writes
-nothing else.
+the norm and the optimizer step read 2 bytes. The view's values are never read (they are the
+float32 weight's truncated high halves); the optimizer step reads the view's gradient,
+updates the float32 weight and writes nothing else.
 
 Numerics: the forward and backward are torchao's own (its matmul function runs under this
 module's autograd function, saving the input and the float32 weight and recasting the weight
@@ -30,7 +30,7 @@ import types
 import torch
 from torch import nn
 
-__all__ = ["attach_grad_view", "grad_view_of", "supports_grad_view"]
+__all__ = ["attach_grad_view", "supports_grad_view"]
 
 
 class _Float8:
@@ -105,7 +105,3 @@ def attach_grad_view(module: nn.Module) -> torch.Tensor:
     module.forward = types.MethodType(_forward_with_grad_view, module)
     return view
 
-
-def grad_view_of(module: nn.Module) -> bool:
-    """Whether ``module`` runs the gradient-view forward."""
-    return "_float32_weight" in module.__dict__
