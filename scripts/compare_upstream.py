@@ -193,7 +193,8 @@ def common_flags(args, flavor: str, dump: Path) -> list[str]:
              "--training.seq_len", str(args.seq_len), "--training.local_batch_size",
              str(args.batch), "--training.steps", str(args.steps),
              "--training.mixed_precision_param", "bfloat16", "--metrics.log_freq",
-             str(args.log_freq), "--metrics.disable_color_printing", "--job.dump_folder", str(dump)]
+             str(args.log_freq), "--metrics.disable_color_printing", "--job.dump_folder", str(dump),
+             "--debug.seed", "0"]  # the same initial weights in every run of a side
     return flags + (["--compile.enable"] if args.compile else []) + args.both_flags
 
 
