@@ -280,6 +280,8 @@ def _launch(opts: list[str], entry: list[str], interrupts: ForwardedInterrupts |
         reported = any(TRAINER_MARK in (f.error_file_data or {}) for f in err.failures.values())
         if interrupts is not None and interrupts.count and not reported:
             return INTERRUPTED  # stopped by the Ctrl-C (killed, or before the trainer ran)
+        if interrupts is not None and interrupts.count > 1:
+            return INTERRUPTED  # stopped at once: what a rank said on the way down follows from it
 
         def oom_killed() -> str | None:
             if not killed_by_oom_killer(oom_kills):

@@ -417,12 +417,18 @@ def main(argv: list[str] | None = None) -> int:
             # Under torchrun a rank exits 0, so that torchrun neither reports nor restarts
             # it; torchtitan.launch then ends as interrupted.
             code = 0 if under_torchrun() else INTERRUPTED
-    except USER_ERRORS as err:
-        code = report_error(err, 2)
-    except TrainingError as err:
-        code = report_error(err, 1)
     except Exception as err:
-        if is_out_of_memory(err):  # the config asks for more than the device has: exit 2
+        if trainer is not None and trainer.preemption.interrupted and is_peer_failure(err):
+            # Two quick Ctrl-Cs reach a rank busy in a collective as one signal: its peers
+            # stopped at once and its collective (a checkpoint save, say) broke. That is the
+            # stop the user asked for, not an error.
+            logger.warning("Ctrl-C: stopped at once, without saving (another rank stopped first)")
+            code = INTERRUPTED
+        elif isinstance(err, USER_ERRORS):
+            code = report_error(err, 2)
+        elif isinstance(err, TrainingError):
+            code = report_error(err, 1)
+        elif is_out_of_memory(err):  # the config asks for more than the device has: exit 2
             args = sys.argv[1:] if argv is None else argv
             code = report_error(
                 out_of_memory_message(err, args, dist_utils.world_size_from_env()), 2)
