@@ -107,37 +107,46 @@ def measure(args) -> dict:
     shapes = decoder_shapes(args)
     n_params = sum(torch.Size(s).numel() for s, _ in shapes)
     results = {}
-    for impl in args.impl:
-        torch._dynamo.reset()
-        counter = _GraphCounter(args.backend)
-        compiled = torch.compile(adam_module.adam_bf16_state_step, fullgraph=True,
-                                 dynamic=False if impl != "dynamic" else None, backend=counter)
-        adam_module._step_fn = lambda p, fn=compiled: fn  # every device, this compile
-        g = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, device=device, generator=g) * 0.02)
-                  for s, _ in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape, device=device, generator=g)
-        opt = _optimizer(impl, params, [lin for _, lin in shapes])
-        times = []
-        for i in range(args.warmup + args.iters):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        seconds = statistics.median(times)
-        results[impl] = {"ms": seconds * 1e3, "gb_per_s": n_params * BYTES_PER_PARAM / seconds / 1e9,
-                         "graphs": counter.graphs, "dynamic_graphs": counter.dynamic}
-        del opt, params
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    adam_module._step_fn = _ORIGINAL_STEP_FN
+    try:
+        for impl in args.impl:
+            results[impl] = _measure_one(args, impl, device, shapes, n_params)
+    finally:
+        adam_module._step_fn = _ORIGINAL_STEP_FN
     return {"device": str(device), "torch": torch.__version__, "parameters": n_params,
             "results": results}
+
+
+def _measure_one(args, impl: str, device: torch.device, shapes, n_params: int) -> dict:
+    """One implementation's median step time, traffic and graphs (patches the step function:
+    the caller restores it)."""
+    torch._dynamo.reset()
+    counter = _GraphCounter(args.backend)
+    compiled = torch.compile(adam_module.adam_bf16_state_step, fullgraph=True,
+                             dynamic=False if impl != "dynamic" else None, backend=counter)
+    adam_module._step_fn = lambda p, fn=compiled: fn  # every device, this compile
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=g) * 0.02)
+              for s, _ in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=g)
+    opt = _optimizer(impl, params, [lin for _, lin in shapes])
+    times = []
+    for i in range(args.warmup + args.iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    result = {"ms": seconds * 1e3, "gb_per_s": n_params * BYTES_PER_PARAM / seconds / 1e9,
+              "graphs": counter.graphs, "dynamic_graphs": counter.dynamic}
+    del opt, params
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 _ORIGINAL_STEP_FN = adam_module._step_fn
