@@ -88,8 +88,11 @@ def _forward_with_grad_view(self, input: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, input)
     if torch.is_autocast_enabled("cuda"):  # torchao's rule: the CUDA autocast dtype
         input = input.to(torch.get_autocast_dtype("cuda"))
+    # The float32 weight goes in as the parameter it is (its gradient is None): detached, the
+    # compiler's partitioner kept each weight's float8 cast for the backward instead of recasting
+    # it (1 byte a parameter of activation memory that the plain float8 path does not hold).
     out = _Float8MatmulWithViewGrad.apply(
-        input, self._float32_weight.detach().t(), view.t(), self.linear_mm_config, self.config
+        input, self._float32_weight.t(), view.t(), self.linear_mm_config, self.config
     )
     return out if self.bias is None else out + self.bias.to(out.dtype)
 
