@@ -38,29 +38,46 @@ def precomputed_loss(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+EAGER_BLOCK_BYTES = 128 * 2**20
+"""The eager loss works on this many bytes of float32 logits at a time (rows of a chunk)."""
+
+
 def _chunk_loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed float32 cross-entropy of one chunk and the gradient of its logits (in
-    ``grad_dtype``); rows whose label is ``IGNORE_INDEX`` add nothing to either."""
-    logits = logits.float()  # the chunk's own: the math below works in place on it
-    valid = labels != IGNORE_INDEX
-    safe = torch.where(valid, labels, 0)
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(1, safe[:, None]).squeeze(1)
-    loss = torch.where(valid, lse - target, 0.0).sum()
-    grad = logits.sub_(lse[:, None]).exp_()  # softmax
-    grad.scatter_add_(1, safe[:, None], -valid[:, None].to(grad.dtype))  # minus one-hot
-    grad.mul_(valid[:, None])
-    return loss, grad.to(grad_dtype)
+    ``grad_dtype``); rows whose label is ``IGNORE_INDEX`` add nothing to either.
+
+    A block of rows at a time (``EAGER_BLOCK_BYTES`` of float32), the gradient written over
+    ``logits`` when it has ``grad_dtype``: like the compiled version, no float32 copy of the
+    whole chunk (3.9 GiB for 8192 tokens of Llama 3's vocabulary), so an eager run, and the
+    memory estimate of a compiled one, hold what the compiled loss holds. Each row's values
+    are the whole-chunk computation's, and the loss sums the same per-row vector."""
+    n, vocab = logits.shape
+    grad = logits if logits.dtype == grad_dtype else torch.empty_like(logits, dtype=grad_dtype)
+    row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    rows = max(1, EAGER_BLOCK_BYTES // (4 * max(vocab, 1)))
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        block = logits[start:end].float()  # float32 logits: these rows themselves
+        valid = labels[start:end] != IGNORE_INDEX
+        safe = torch.where(valid, labels[start:end], 0)
+        lse = torch.logsumexp(block, dim=-1)
+        target = block.gather(1, safe[:, None]).squeeze(1)
+        row_loss[start:end] = torch.where(valid, lse - target, 0.0)
+        block.sub_(lse[:, None]).exp_()  # softmax
+        block.scatter_add_(1, safe[:, None], -valid[:, None].to(block.dtype))  # minus one-hot
+        block.mul_(valid[:, None])
+        grad[start:end].copy_(block)
+    return row_loss.sum(), grad
 
 
 def _chunk_loss_grad_into_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """:func:`_chunk_loss_and_grad` written for the compiler: the same values, but the
     gradient of the logits overwrites ``logits`` (in its dtype) and nothing else of the
     chunk's size is allocated: compiled, a reduction for the log-sum-exp and one pointwise
-    kernel that reads each logit in its dtype and writes its gradient in place (the eager
-    version's float32 copy of the chunk never exists)."""
+    kernel that reads each logit in its dtype and writes its gradient in place (not even
+    a block of float32 rows, as the eager version makes)."""
     x = logits.float()
     valid = labels != IGNORE_INDEX
     safe = torch.where(valid, labels, 0)
