@@ -285,6 +285,21 @@ def test_memory_estimate_plans_the_gpu_loss_path(caplog):
     assert "Loss: output projection fused with cross-entropy" in caplog.text
 
 
+class _LargestFloat32(TorchDispatchMode):
+    """The most elements of a float32 tensor made inside, ``own``'s storage aside."""
+
+    def __init__(self, own: torch.Tensor):
+        super().__init__()
+        self.own, self.largest = own.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and \
+                out.untyped_storage().data_ptr() != self.own:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
 def _whole_chunk_loss_and_grad(logits, labels, grad_dtype):
     """The eager chunk math over the whole chunk at once (one float32 copy of it)."""
     x = logits.float()
@@ -313,20 +328,50 @@ def test_eager_chunk_math_works_on_blocks_of_rows_with_the_whole_chunks_numbers(
     want_loss, want_grad = _whole_chunk_loss_and_grad(logits.clone(), labels, dtype)
     monkeypatch.setattr(chunked_loss, "EAGER_BLOCK_BYTES", 4 * v * 5, raising=False)
     got = logits.clone()
-
-    class _LargestFloat32(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and \
-                    out.untyped_storage().data_ptr() != got.untyped_storage().data_ptr():
-                self.largest = max(self.largest, out.numel())
-            return out
-
-    with _LargestFloat32() as tracked:
+    with _LargestFloat32(got) as tracked:
         loss, grad = chunked_loss._chunk_loss_and_grad(got, labels, dtype)
     assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
     assert grad.data_ptr() == got.data_ptr()  # in the logits' own storage
     # float32 logits: the blocks are their own rows (only the per-row losses are new)
     assert tracked.largest == (5 * v if dtype == torch.bfloat16 else n)
+
+
+def _whole_vocab_parallel_chunk(logits, labels, grad_dtype, vocab_start):
+    """The vocabulary-parallel chunk math over the whole chunk at once, for a group of one."""
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    local = labels - vocab_start
+    mine = valid & (local >= 0) & (local < x.shape[-1])
+    safe = torch.where(mine, local, 0)
+    row_max = x.max(dim=-1).values
+    target = torch.where(mine, x.gather(1, safe[:, None]).squeeze(1) - row_max, 0.0)
+    exp = x.sub_(row_max[:, None]).exp_()
+    sum_exp = exp.sum(dim=-1)
+    loss = torch.where(valid, torch.log(sum_exp) - target, 0.0).sum()
+    grad = exp.div_(sum_exp[:, None])
+    grad.scatter_add_(1, safe[:, None], -mine[:, None].to(grad.dtype))
+    return loss, grad.mul_(valid[:, None]).to(grad_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vocab_parallel_chunk_math_works_on_blocks_of_rows_with_the_whole_chunks_numbers(
+        monkeypatch, dtype):
+    """The TP path (its all-reduces over a group of one: identities), blocks of 5 rows, a
+    vocabulary slice that holds some labels and not others: bit for bit the whole chunk's
+    loss and gradient, the gradient over the logits, no float32 tensor over a block's rows."""
+    from torchtitan.components import chunked_loss
+
+    n, v, vocab_start = 23, 301, 150
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 2 * v, (n,), generator=g)
+    labels[[0, 7, 22]] = IGNORE_INDEX
+    logits = torch.randn(n, v, generator=g).mul_(4).to(dtype)
+    want_loss, want_grad = _whole_vocab_parallel_chunk(logits.clone(), labels, dtype, vocab_start)
+    monkeypatch.setattr(chunked_loss, "EAGER_BLOCK_BYTES", 4 * v * 5, raising=False)
+    monkeypatch.setattr(chunked_loss.dist, "all_reduce", lambda *a, **k: None)
+    got = logits.clone()
+    with _LargestFloat32(got) as tracked:
+        loss, grad = chunked_loss._vocab_parallel_chunk(got, labels, dtype, None, vocab_start)
+    assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)
+    assert grad.data_ptr() == got.data_ptr()
+    assert tracked.largest <= max(5 * v, 2 * n)

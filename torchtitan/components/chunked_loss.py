@@ -42,6 +42,13 @@ EAGER_BLOCK_BYTES = 128 * 2**20
 """The eager loss works on this many bytes of float32 logits at a time (rows of a chunk)."""
 
 
+def _row_blocks(rows: int, width: int) -> list[tuple[int, int]]:
+    """``[start, end)`` row ranges of a ``rows x width`` chunk, ``EAGER_BLOCK_BYTES`` of
+    float32 each."""
+    step = max(1, EAGER_BLOCK_BYTES // (4 * max(width, 1)))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def _chunk_loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, grad_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +63,7 @@ def _chunk_loss_and_grad(
     n, vocab = logits.shape
     grad = logits if logits.dtype == grad_dtype else torch.empty_like(logits, dtype=grad_dtype)
     row_loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    rows = max(1, EAGER_BLOCK_BYTES // (4 * max(vocab, 1)))
-    for start in range(0, n, rows):
-        end = min(start + rows, n)
+    for start, end in _row_blocks(n, vocab):
         block = logits[start:end].float()  # float32 logits: these rows themselves
         valid = labels[start:end] != IGNORE_INDEX
         safe = torch.where(valid, labels[start:end], 0)
@@ -167,25 +172,34 @@ def _vocab_parallel_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_chunk_loss_and_grad` for this rank's slice of the vocabulary
     ``[vocab_start, vocab_start + logits.shape[-1])``: the max, the sum of exponentials and the
-    label's logit are all-reduced over ``group``."""
-    logits = logits.float()
+    label's logit are all-reduced over ``group`` (two all-reduces per chunk). Like the
+    unsharded version, on blocks of rows in float32 with the gradient written over the logits
+    (the exponentials are computed again for the gradient rather than kept in float32)."""
+    n, width = logits.shape
+    grad = logits if logits.dtype == grad_dtype else torch.empty_like(logits, dtype=grad_dtype)
     valid = labels != IGNORE_INDEX
     local = labels - vocab_start
-    mine = valid & (local >= 0) & (local < logits.shape[-1])
+    mine = valid & (local >= 0) & (local < width)
     safe = torch.where(mine, local, 0)
-    row_max = logits.max(dim=-1).values
+    row_max = logits.max(dim=-1).values.float()  # (a max is exact in any dtype)
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     # the label's logit less the row max (as the exponentials below), on the rank holding it
-    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1) - row_max, 0.0)
-    exp = logits.sub_(row_max[:, None]).exp_()
-    sums = torch.stack([exp.sum(dim=-1), target])
+    target = torch.where(mine, logits.gather(1, safe[:, None]).squeeze(1).float() - row_max, 0.0)
+    sum_exp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    blocks = _row_blocks(n, width)
+    for start, end in blocks:  # out of place: float32 logits are these rows themselves
+        sum_exp[start:end] = torch.exp(logits[start:end].float() - row_max[start:end, None]).sum(-1)
+    sums = torch.stack([sum_exp, target])
     dist.all_reduce(sums, group=group)
     sum_exp, target = sums[0], sums[1]
     loss = torch.where(valid, torch.log(sum_exp) - target, 0.0).sum()
-    grad = exp.div_(sum_exp[:, None])
-    grad.scatter_add_(1, safe[:, None], -mine[:, None].to(grad.dtype))
-    grad.mul_(valid[:, None])
-    return loss, grad.to(grad_dtype)
+    for start, end in blocks:
+        block = logits[start:end].float()
+        block.sub_(row_max[start:end, None]).exp_().div_(sum_exp[start:end, None])
+        block.scatter_add_(1, safe[start:end, None], -mine[start:end, None].to(block.dtype))
+        block.mul_(valid[start:end, None])
+        grad[start:end].copy_(block)
+    return loss, grad
 
 
 def linear_cross_entropy_sum(
