@@ -364,9 +364,8 @@ class Trainer(Stateful):
             gc.enable()  # the process goes on (tests, notebooks): automatic collection back
 
     # --- Stateful ------------------------------------------------------------------------
-    # Per-rank RNG states saved by another layout are absent on load (rng_state.py).
-    # torchft's step count is saved by fault-tolerant runs only, LocalSGD / DiLoCo state by
-    # semi-synchronous ones.
+    # Per-rank RNG states saved by another layout are absent on load (rng_state.py); torchft's
+    # step count is saved by fault-tolerant runs only, LocalSGD / DiLoCo by semi-sync ones.
     optional_state_keys = (RNG_KEY, FT_KEY, SEMI_SYNC_KEY)
 
     def state_dict(self) -> dict[str, Any]:
@@ -418,11 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             # it; torchtitan.launch then ends as interrupted.
             code = 0 if under_torchrun() else INTERRUPTED
     except Exception as err:
-        if trainer is not None and trainer.preemption.interrupted and is_peer_failure(err):
-            # Two quick Ctrl-Cs reach a rank busy in a collective as one signal: its peers
-            # stopped at once and its collective (a checkpoint save, say) broke. That is the
-            # stop the user asked for, not an error.
-            logger.warning("Ctrl-C: stopped at once, without saving (another rank stopped first)")
+        if trainer is not None and trainer.preemption.stopped_at_once(err):
             code = INTERRUPTED
         elif isinstance(err, USER_ERRORS):
             code = report_error(err, 2)

@@ -66,9 +66,14 @@ def test_a_collective_broken_by_peers_stopping_at_once_is_the_stop_not_an_error(
     broken = describe_save_failure(
         6, "/ckpt/step-6.tmp", RuntimeError("[pair.cc:553] Connection closed by peer [::1]:636"), [4, 5])
 
+    from torchtitan.tools.lifecycle import Preemption
+
+    preemption = Preemption()  # (before is_initialized is patched below)
+    preemption.interrupted = after_ctrl_c
+
     class Trainer:
         def __init__(self, cfg):
-            self.preemption = type("Preemption", (), {"interrupted": after_ctrl_c})()
+            self.preemption = preemption
 
         def train(self):
             raise CheckpointError(broken)

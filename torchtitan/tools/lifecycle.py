@@ -109,6 +109,18 @@ class Preemption:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def stopped_at_once(self, err: BaseException) -> bool:
+        """True, with one line saying so, when ``err`` is a collective broken by ranks that a
+        Ctrl-C stopped at once: two quick Ctrl-Cs reach a rank busy in a collective (a
+        checkpoint save, say) as one signal, its peers die and its collective breaks. That is
+        the stop the user asked for, not an error."""
+        from torchtitan.tools.error_file import is_peer_failure
+
+        if not (self.interrupted and is_peer_failure(err)):
+            return False
+        logger.warning("Ctrl-C: stopped at once, without saving (another rank stopped first)")
+        return True
+
     def waited(self) -> str:
         if self.received_at is None:
             return ""
